@@ -1,0 +1,135 @@
+"""`hybridpd plan`: the layout engine's report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ._options import ModelArg, engine_options, isl_list, settings_from
+from ._output import Report, Table, emit_json, emit_report, fmt_bytes, output_options, resolve_format
+
+
+@click.command()
+@click.argument("model", type=ModelArg())
+@engine_options
+@click.option("--isl", "isls", callback=isl_list, default=None,
+              help="Input lengths to cost, comma-separated (e.g. 1k,8k,32k). Default: 1k,8k,32k,128k within "
+                   "max-model-len.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write bytes per request vs input length (actual vs naive) to a PNG (needs matplotlib).")
+@click.option("--strict", is_flag=True, help="Exit 1 when a finding has severity error.")
+@output_options
+def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict: bool, as_json: bool,
+         fmt: str | None, **kw: Any) -> None:
+    """Predict vLLM's KV-cache layout and P/D transfer for MODEL, to the byte.
+
+    MODEL is a bundled id or alias (see `hybridpd models`), a model directory or config.json, or a
+    Hugging Face id in the local cache.
+
+    \b
+    Examples:
+      hybridpd plan nano-fp8 --ptp 1 --dtp 4
+      hybridpd plan nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-FP8 --ptp 4 --dtp 4 \\
+          --kv-cache-dtype fp8 --block-size 128 --vllm-version 0.20 --json
+    """
+    from hybridpd.plan import build_plan, plan_to_dict
+
+    p, d = settings_from(kw)
+    result = build_plan(model, prefill=p, decode=d, vllm_version=kw["vllm_version"], platform=kw["platform"],
+                        isls=isls, allow_network=kw["allow_network"])
+    data = plan_to_dict(result)
+    if plot_path:
+        from hybridpd.plotting import plot_transfer
+
+        plot_transfer(result, plot_path)
+    out = resolve_format(as_json, fmt)
+    if out == "json":
+        emit_json(data)
+    else:
+        emit_report(render(data), out)
+    if strict and not data["ok"]:
+        raise SystemExit(1)
+
+
+def _side_rows(p: dict[str, Any], d: dict[str, Any]) -> list[list[Any]]:
+    def shape(v: Any) -> str:
+        return "x".join(map(str, v)) if v else "-"
+
+    rows: list[list[Any]] = [
+        ["TP", p["tp"], d["tp"]],
+        ["KV heads / rank", p["num_kv_heads"], d["num_kv_heads"]],
+        ["dtypes (kv / conv / ssm)", f"{p['kv_cache_dtype']} / {p['conv_dtype']} / {p['ssm_dtype']}",
+         f"{d['kv_cache_dtype']} / {d['conv_dtype']} / {d['ssm_dtype']}"],
+        ["conv state SD / DS", f"{shape(p['conv_state_shape_sd'])} / {shape(p['conv_state_shape_ds'])}",
+         f"{shape(d['conv_state_shape_sd'])} / {shape(d['conv_state_shape_ds'])}"],
+        ["x | B | C channels",
+         *(f"{s['conv_split']['x']} | {s['conv_split']['B']} | {s['conv_split']['C']}" if s["conv_split"] else "-"
+           for s in (p, d))],
+        ["SSM state", shape(p["ssm_state_shape"]), shape(d["ssm_state_shape"])],
+        ["conv + ssm bytes", f"{p['conv_state_bytes']:,} + {p['ssm_state_bytes']:,}",
+         f"{d['conv_state_bytes']:,} + {d['ssm_state_bytes']:,}"],
+        ["attention bytes / token", p["attn_bytes_per_token"], d["attn_bytes_per_token"]],
+        ["attention block (tokens)", p["attention_block_size"], d["attention_block_size"]],
+        ["kernel block / ratio", f"{p['kernel_block_size']} / {p['physical_per_logical']}",
+         f"{d['kernel_block_size']} / {d['physical_per_logical']}"],
+        ["page (padded)", p["page_size_bytes"], d["page_size_bytes"]],
+        ["Mamba page (unpadded)", p["mamba_page_bytes"], d["mamba_page_bytes"]],
+        ["padding", f"{p['padding_bytes']:,} B ({p['padding_pct']:.2f}%)",
+         f"{d['padding_bytes']:,} B ({d['padding_pct']:.2f}%)"],
+        ["shared tensors (T)", p["num_shared_tensors"], d["num_shared_tensors"]],
+        ["blocks that fit", p["num_blocks"], d["num_blocks"]],
+    ]
+    return rows
+
+
+def render(data: dict[str, Any]) -> Report:
+    m = data["model"]
+    p, d = data["prefill"], data["decode"]
+    rep = Report()
+    rep.tables.append(Table(
+        title=f"Model {m['id']}", headers=["field", "value"],
+        rows=[["family / architecture", f"{m['family']} / {m['architecture']}"],
+              ["layers (mamba / attention)", f"{m['layers']} ({m['mamba_layers']} / {m['attention_layers']})"],
+              ["vLLM profile / NIXL connector", f"{data['vllm_profile']} / v{data['nixl_connector_version']}"],
+              ["platform / backend", f"{data['platform']} / {p['attention_backend']}"],
+              ["tp ratio (D/P)", data["tp_ratio"]]]))
+    rep.tables.append(Table(title="Per-side layout (per rank)", headers=["", "prefill", "decode"],
+                            rows=_side_rows(p, d), caption="; ".join(p["block_size_reasons"])))
+    rep.tables.append(Table(
+        title="HMA groups (vLLM order)", headers=["group", "kind", "layers", "padding slots"],
+        rows=[[g["index"], g["kind"], ",".join(map(str, g["layers"])), g["padding_slots"]] for g in p["groups"]]))
+    rows = []
+    for side in (p, d):
+        ds = side["descriptors"]
+        mb = ds["mamba_desc_bytes"]
+        rows.append([side["role"], ds["regions"], ds["fa_regions"], ds["mamba_regions"], ds["fa_desc_bytes"],
+                     f"{mb['x']}/{mb['B']}/{mb['C']}/{mb['ssm']}", ds["num_fa_descs"], ds["local_descs"]])
+    rep.tables.append(Table(title="NIXL descriptors (per rank)",
+                            headers=["side", "regions", "FA regions", "Mamba regions", "FA desc B",
+                                     "x/B/C/SSM desc B", "num_descs (FA|Mamba boundary)", "local descs"],
+                            rows=rows, caption="desc id: FA r*N_phys+b; Mamba num_fa_descs+m*N_log+b"))
+    if data["conv_offsets"]:
+        rows = []
+        for r in data["conv_offsets"]:
+            for s in r["sources"]:
+                def sp(v: Any) -> str:
+                    return f"{v[0]}+{v[1]}" if v else "-"
+                rows.append([r["rank"], s["p_rank"], sp(s["fa"]), sp(s["x"]), sp(s["B"]), sp(s["C"]), sp(s["ssm"])])
+        rep.tables.append(Table(title="Per D rank reads (offset+length in P's page)",
+                                headers=["D rank", "P rank", "FA", "x", "B", "C", "SSM"], rows=rows))
+    if data["transfer"]:
+        rows = []
+        for t in data["transfer"]:
+            desc = (f"{t['descriptors']:,}" if t["descriptors"] == t["descriptors_min"]
+                    else f"{t['descriptors_min']:,}-{t['descriptors']:,}")
+            rows.append([t["isl"], fmt_bytes(t["fa_bytes"]), fmt_bytes(t["mamba_bytes"]), fmt_bytes(t["bytes"]),
+                         fmt_bytes(t["naive_bytes"]), fmt_bytes(t["bytes_saved"]), desc, t["reads"]])
+        rep.tables.append(Table(title="Per request, all D ranks (N-1 rule applied)" if m["mamba_layers"]
+                                else "Per request, all D ranks",
+                                headers=["ISL", "FA", "Mamba", "moved", "naive (padded)", "saved", "descriptors",
+                                         "READs"], rows=rows))
+    sev = {"error": "ERROR", "warning": "warn", "info": "info"}
+    rep.tables.append(Table(title="Findings", headers=["severity", "code", "message", "fix"],
+                            rows=[[sev[f["severity"]], f["code"], f["message"], f["fix"]] for f in data["findings"]]))
+    return rep

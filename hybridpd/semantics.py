@@ -1,0 +1,68 @@
+"""Ground truth vs what vLLM's offsets deliver, channel by channel.
+
+For each D rank, ``expected_conv_channels`` lists the TP=1 conv channels its DS conv state must hold
+(in local order); ``delivered_conv_channels`` follows vLLM's x/B/C spans through each source P
+rank's own channel map and reports what actually lands there (or that a span runs past P's conv
+state into its SSM bytes).  The same comparison drives the plan's finding and the rehearsal's
+expectations, so "wrong bytes" has one definition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layout import SideLayout
+from .mamba import global_conv_channel_index, rank_channels
+from .transfer import RankRoute
+
+OUTSIDE_CONV = -1  # the span covered bytes past P's conv state (P's SSM state or padding)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvCheck:
+    rank: int
+    ok: bool
+    first_bad: int | None  # first local channel that differs
+    region: str | None  # "x" | "B" | "C"
+    expected: int | None  # global channel expected there
+    delivered: int | None  # global channel delivered (OUTSIDE_CONV: SSM/padding bytes)
+
+
+def expected_conv_channels(d: SideLayout, rank: int) -> list[int]:
+    assert d.model.mamba is not None
+    return global_conv_channel_index(d.model.mamba, rank_channels(d.model.mamba, d.tp, rank))
+
+
+def _region_of(d: SideLayout, local_ch: int) -> str:
+    assert d.mamba is not None
+    x, b = d.mamba.conv.x_channels, d.mamba.conv.b_channels
+    return "x" if local_ch < x else ("B" if local_ch < x + b else "C")
+
+
+def delivered_conv_channels(p: SideLayout, d: SideLayout, route: RankRoute) -> list[int]:
+    assert p.mamba is not None and d.mamba is not None and p.model.mamba is not None
+    row_bytes = p.mamba.conv.state_len * p.mamba.conv_elem  # one DS channel
+    dconv = d.mamba.conv
+    out = [OUTSIDE_CONV] * dconv.dim
+    d_starts = (0, dconv.x_channels, dconv.x_channels + dconv.b_channels)
+    d_lens = (dconv.x_channels, dconv.b_channels, dconv.b_channels)
+    for src in route.mamba_sources:
+        p_map = global_conv_channel_index(p.model.mamba, rank_channels(p.model.mamba, p.tp, src.p_rank))
+        for i, span in enumerate((src.x, src.b, src.c)):
+            assert span is not None
+            off, length = span
+            n = length // row_bytes
+            dst0 = d_starts[i] + src.local_slot * (d_lens[i] // src.local_parts)
+            for j in range(n):
+                pch = off // row_bytes + j
+                out[dst0 + j] = p_map[pch] if pch < len(p_map) else OUTSIDE_CONV
+    return out
+
+
+def check_conv(p: SideLayout, d: SideLayout, route: RankRoute) -> ConvCheck:
+    exp = expected_conv_channels(d, route.rank)
+    got = delivered_conv_channels(p, d, route)
+    for i, (e, g) in enumerate(zip(exp, got, strict=True)):
+        if e != g:
+            return ConvCheck(rank=route.rank, ok=False, first_bad=i, region=_region_of(d, i), expected=e, delivered=g)
+    return ConvCheck(rank=route.rank, ok=True, first_bad=None, region=None, expected=None, delivered=None)
