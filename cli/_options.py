@@ -41,8 +41,8 @@ def isl_list(ctx: click.Context, param: click.Parameter, value: str | None) -> t
     if not value:
         return None
     try:
-        out = tuple(int(float(v.lower().replace("k", "e3"))) if v.lower().endswith("k") else int(v)
-                    for v in value.split(","))
+        out = tuple(int(float(v[:-1]) * 1024) if v.lower().endswith("k") else int(v)
+                    for v in (x.strip() for x in value.split(",")))
     except ValueError:
         raise click.BadParameter(f"{value!r}: use comma-separated token counts, e.g. 1024,8k,32k") from None
     if any(v < 1 for v in out):

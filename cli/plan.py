@@ -14,7 +14,7 @@ from ._output import Report, Table, emit_json, emit_report, fmt_bytes, output_op
 @click.argument("model", type=ModelArg())
 @engine_options
 @click.option("--isl", "isls", callback=isl_list, default=None,
-              help="Input lengths to cost, comma-separated (e.g. 1k,8k,32k). Default: 1k,8k,32k,128k within "
+              help="Input lengths to cost, comma-separated (k = 1024, e.g. 1k,8k,32k). Default: 1k,8k,32k,128k within "
                    "max-model-len.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write bytes per request vs input length (actual vs naive) to a PNG (needs matplotlib).")
@@ -63,8 +63,8 @@ def _side_rows(p: dict[str, Any], d: dict[str, Any]) -> list[list[Any]]:
          f"{d['kv_cache_dtype']} / {d['conv_dtype']} / {d['ssm_dtype']}"],
         ["conv state SD / DS", f"{shape(p['conv_state_shape_sd'])} / {shape(p['conv_state_shape_ds'])}",
          f"{shape(d['conv_state_shape_sd'])} / {shape(d['conv_state_shape_ds'])}"],
-        ["x | B | C channels",
-         *(f"{s['conv_split']['x']} | {s['conv_split']['B']} | {s['conv_split']['C']}" if s["conv_split"] else "-"
+        ["x / B / C channels",
+         *(f"{s['conv_split']['x']} / {s['conv_split']['B']} / {s['conv_split']['C']}" if s["conv_split"] else "-"
            for s in (p, d))],
         ["SSM state", shape(p["ssm_state_shape"]), shape(d["ssm_state_shape"])],
         ["conv + ssm bytes", f"{p['conv_state_bytes']:,} + {p['ssm_state_bytes']:,}",
@@ -107,7 +107,7 @@ def render(data: dict[str, Any]) -> Report:
                      f"{mb['x']}/{mb['B']}/{mb['C']}/{mb['ssm']}", ds["num_fa_descs"], ds["local_descs"]])
     rep.tables.append(Table(title="NIXL descriptors (per rank)",
                             headers=["side", "regions", "FA regions", "Mamba regions", "FA desc B",
-                                     "x/B/C/SSM desc B", "num_descs (FA|Mamba boundary)", "local descs"],
+                                     "x/B/C/SSM desc B", "num_descs (FA/Mamba boundary)", "local descs"],
                             rows=rows, caption="desc id: FA r*N_phys+b; Mamba num_fa_descs+m*N_log+b"))
     if data["conv_offsets"]:
         rows = []
