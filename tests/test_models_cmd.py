@@ -1,0 +1,90 @@
+"""`hybridpd models`: listing, stable JSON keys, P/D support per profile."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from click.testing import CliRunner
+from hybridpd_cli.main import cli
+
+from hybridpd.catalog import catalog, profile_names
+from hybridpd.models import ALIASES, bundled_ids
+
+KEYS = ["id", "aliases", "family", "architecture", "mamba_layers", "attention_layers", "mamba_type", "n_groups",
+        "pd_support"]
+
+
+def _json() -> list[dict]:
+    res = CliRunner().invoke(cli, ["models", "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)
+
+
+def _by_id() -> dict[str, dict]:
+    return {e["id"]: e for e in _json()}
+
+
+def test_json_has_every_bundled_model_with_stable_keys() -> None:
+    data = _json()
+    assert [e["id"] for e in data] == bundled_ids()
+    profiles = profile_names()
+    for e in data:
+        assert list(e) == KEYS
+        assert list(e["pd_support"]) == profiles
+        for s in e["pd_support"].values():
+            assert set(s) == {"supported", "reason"}
+            assert isinstance(s["supported"], bool)
+            assert (s["reason"] is None) == s["supported"]
+
+
+def test_aliases_match_alias_table() -> None:
+    data = _by_id()
+    for alias, target in ALIASES.items():
+        assert alias in data[target]["aliases"]
+    assert data["nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"]["aliases"] == ["nano", "nano-bf16"]
+
+
+def test_nemotron_nano_supported_everywhere() -> None:
+    e = _by_id()["nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-FP8"]
+    assert e["family"] == "nemotron_h" and e["mamba_type"] == "mamba2"
+    assert e["mamba_layers"] == 23 and e["attention_layers"] == 6 and e["n_groups"] == 8
+    assert all(s["supported"] for s in e["pd_support"].values())
+
+
+def test_unsupported_models_carry_reason_codes() -> None:
+    data = _by_id()
+    mamba1 = data["ai21labs/Jamba-v0.1"]
+    assert mamba1["mamba_type"] == "mamba1"
+    assert all(s == {"supported": False, "reason": "unsupported-mamba-type"} for s in mamba1["pd_support"].values())
+    gdn = data["Qwen/Qwen3-Next-80B-A3B-Instruct"]
+    assert gdn["mamba_type"] == "gdn" and not any(s["supported"] for s in gdn["pd_support"].values())
+    free = data["state-spaces/mamba2-2.7b"]
+    assert free["attention_layers"] == 0
+    assert all(s == {"supported": False, "reason": "attention-free"} for s in free["pd_support"].values())
+
+
+def test_dense_model_has_no_mamba() -> None:
+    e = _by_id()["meta-llama/Llama-3.1-8B-Instruct"]
+    assert e["mamba_layers"] == 0 and e["mamba_type"] is None and e["n_groups"] is None
+
+
+def test_human_table_shows_profiles_and_reasons() -> None:
+    res = CliRunner().invoke(cli, ["models", "--fmt", "plain"])
+    assert res.exit_code == 0, res.output
+    for p in profile_names():
+        assert f"vLLM {p}" in res.output
+    assert "no (unsupported-mamba-type)" in res.output
+    assert "nano-fp8" in res.output and "23M / 6A" in res.output
+
+
+def test_supported_only_filters() -> None:
+    res = CliRunner().invoke(cli, ["models", "--supported-only", "--json"])
+    ids = {e["id"] for e in json.loads(res.output)}
+    assert "ai21labs/Jamba-v0.1" not in ids and "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-FP8" in ids
+
+
+def test_fast() -> None:
+    t = time.perf_counter()
+    catalog()
+    assert time.perf_counter() - t < 5.0
