@@ -184,16 +184,20 @@ def request_transfer(p: SideLayout, d: SideLayout, rts: tuple[RankRoute, ...], i
     G = len(p.mamba_groups)
     kvd = p.profile.kv_descs_per_block
     ratio = p.physical_per_logical
+    # NIXL merges consecutive FA rows only when whole P kernel pages land in whole local pages ("dense"):
+    # equal heads per rank on both sides (or <= 1 on both), and no P TP > D TP split over several FA sources
+    # (docs/vllm-0.32-nixl-audit.md item 3).  Mamba rows never merge.
+    dense = (p.num_kv_heads == d.num_kv_heads and (p.tp == d.tp or (p.num_kv_heads <= 1 and d.num_kv_heads <= 1)))
     per: list[RankRequest] = []
     for rt in rts:
+        merge = p.profile.coalesces_contiguous_blocks and dense and len(rt.fa_sources) <= 1
         fa_bytes = mamba_bytes = descs = descs_min = 0
         for s in rt.sources:
             if s.fa is not None and p.attention_groups:
                 n_fa = T * len(p.attention_groups) * blocks * ratio * kvd
                 fa_bytes += n_fa * s.fa[1]
                 descs += n_fa
-                descs_min += (T * len(p.attention_groups) * kvd if blocks else 0) \
-                    if p.profile.coalesces_contiguous_blocks else n_fa
+                descs_min += (T * len(p.attention_groups) * kvd if blocks else 0) if merge else n_fa
             if s.x is not None and G:
                 mamba_bytes += T * G * s.mamba_bytes
                 descs += 4 * T * G

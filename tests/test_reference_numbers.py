@@ -192,3 +192,18 @@ def test_cpu_block_64_vs_128_flagged(tiny_models: dict) -> None:  # type: ignore
     assert {f.code for f in plan.findings} >= {"block-size-mismatch"}
     plan2 = build_plan(str(tiny_models["nemoh"]), prefill=sd, decode=sp, vllm_version="0.32", platform="cpu")
     assert "block-not-divisible" in {f.code for f in plan2.findings}
+
+
+# docs/vllm-0.32-nixl-audit.md: vLLM 0.32's own descriptor code + a real NIXL READ, Nano with block 2096 on both
+# sides and two consecutive FA blocks: (P TP, D TP) -> (descriptors after NIXL's merge, total bytes).
+AUDIT_032 = {(1, 1): (102, 76_972_032), (2, 2): (204, 76_972_032), (1, 2): (216, 76_972_032),
+             (2, 1): (216, 76_972_032), (1, 4): (432, 102_727_680), (4, 1): (408, 76_972_032),
+             (2, 4): (408, 102_727_680), (4, 2): (396, 76_972_032)}
+
+
+@pytest.mark.parametrize("ptp,dtp", list(AUDIT_032))
+def test_vllm_032_descriptor_oracle(ptp: int, dtp: int) -> None:
+    plan = build_plan("nano", prefill=E(tp=ptp, block_size=2096), decode=E(tp=dtp, block_size=2096),
+                      vllm_version="0.32", isls=(2 * 2096 + 1,))
+    t = plan.transfers[0]
+    assert (t.descriptors_min, t.bytes) == AUDIT_032[(ptp, dtp)]
