@@ -1,0 +1,50 @@
+"""P/D routing proxy for vLLM + NixlConnector: clients talk OpenAI to it, it runs prefill on a P instance and
+relays decode from a D instance (see ``hybridpd.proxy.app`` for the design and the error mapping).
+
+Public API::
+
+    from hybridpd.proxy import ProxyConfig, build_app, run_proxy
+    run_proxy(ProxyConfig(prefill_urls=("http://127.0.0.1:8100",), decode_urls=("http://127.0.0.1:8200",)))
+
+or ``python -m hybridpd.proxy --prefill URL --decode URL``.
+"""
+
+from hybridpd.proxy.app import ProxyState, build_app, proxy_state, run_proxy, serve_proxy
+from hybridpd.proxy.config import POLICIES, Policy, ProxyConfig, ProxyConfigError
+from hybridpd.proxy.errors import ProxyError
+from hybridpd.proxy.pool import Backend, BackendPool
+from hybridpd.proxy.protocol import (
+    PREFILL_KV_TRANSFER_PARAMS,
+    REQUIRED_KV_KEYS,
+    RESTORED_FIELDS,
+    SSEFramer,
+    decode_request,
+    fields_to_restore,
+    kv_transfer_params_from_prefill,
+    prefill_request,
+    validate_client_request,
+)
+
+__all__ = [
+    "POLICIES",
+    "PREFILL_KV_TRANSFER_PARAMS",
+    "REQUIRED_KV_KEYS",
+    "RESTORED_FIELDS",
+    "Backend",
+    "BackendPool",
+    "Policy",
+    "ProxyConfig",
+    "ProxyConfigError",
+    "ProxyError",
+    "ProxyState",
+    "SSEFramer",
+    "build_app",
+    "decode_request",
+    "fields_to_restore",
+    "kv_transfer_params_from_prefill",
+    "prefill_request",
+    "proxy_state",
+    "run_proxy",
+    "serve_proxy",
+    "validate_client_request",
+]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from yarl import URL
@@ -67,9 +67,9 @@ class ProxyConfig:
     #: Whole decode leg, streaming or not. Exceeded before the first byte -> 504, after -> SSE error event.
     decode_timeout_s: float = 1800.0
     #: If set, clients must send ``Authorization: Bearer <api_key>`` on /v1/*. Never forwarded to backends.
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     #: If set, sent to backends as ``Authorization: Bearer <backend_api_key>`` (vLLM ``--api-key``).
-    backend_api_key: str | None = None
+    backend_api_key: str | None = field(default=None, repr=False)
     #: Largest accepted request body; larger -> 413.
     max_request_bytes: int = 16 * 1024 * 1024
     #: Period of ``GET /health`` probes on every backend.

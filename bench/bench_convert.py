@@ -1,0 +1,232 @@
+"""Benchmark `hybridpd convert` on a large file against a plain file copy and an in-memory torch copy.
+
+Writes a >= 2 GB safetensors file of Nano-shaped SD conv states (the worst case for convert: every
+byte is transposed), then, in the same run and alternating, measures in fresh child processes:
+
+- ``copy``: shutil.copyfile (kernel copy_file_range) + fsync, the floor for any file-to-file tool;
+- ``convert SD->DS``: the real CLI (``hybridpd convert ... --to DS --model nano``), fsync included,
+  with and without checksums;
+- ``torch memcpy``: ``dst.copy_(src)`` of the same bytes already in RAM (memory bandwidth);
+- with ``--device cuda``: the CLI with ``--device cuda``, and on the GPU the transpose kernel against a
+  plain device-to-device copy of the same bytes.
+
+Wall time includes interpreter start and ``import torch``; "core" is what the command reports for
+the conversion itself.  Peak RSS is each child's ru_maxrss.  Files are deleted at the end.
+
+    python bench/bench_convert.py                    # 2 GiB in $TMPDIR
+    python bench/bench_convert.py --size-gb 4 --dir /data --repeat 5 --json
+    python bench/bench_convert.py --device cuda      # on a GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "nano"  # conv dim 6144 at TP 1, state_len 3, bf16: 36,864 B per layer per block
+
+
+def _env(shim: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    try:
+        import hybridpd_cli  # noqa: F401
+    except ImportError:  # repo not installed (e.g. a bare GPU machine): expose cli/ as hybridpd_cli
+        shim.mkdir(exist_ok=True)
+        link = shim / "hybridpd_cli"
+        if not link.exists():
+            link.symlink_to(REPO / "cli")
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(shim), env.get("PYTHONPATH", "")])
+    return env
+
+
+def make_input(path: Path, size: int) -> tuple[int, int, int]:
+    """Stream a Nano-shaped SD conv state file of about ``size`` bytes; returns (file bytes, blocks, layers)."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from hybridpd.convert_io import AtomicFile, Writer
+    from hybridpd.convert_plan import Geometry
+    from hybridpd.families import model_spec
+    from hybridpd.models import resolve
+
+    spec = model_spec(resolve(MODEL))
+    assert spec.mamba is not None
+    geo = Geometry(dims=spec.mamba, model=spec.model_id)
+    dim, L = geo.rank_state(1).conv.dim, geo.state_len
+    layers = [c.index for c in spec.mamba_layers]
+    row = L * dim * 2
+    blocks = -(-size // (len(layers) * row))
+    entries = [(f"model.layers.{i}.mixer.conv_state", "BF16", (blocks, L, dim), blocks * row) for i in layers]
+    pool = torch.randint(-32768, 32767, (64 << 19,), dtype=torch.int16).numpy().tobytes()  # 64 MiB
+    w = Writer(AtomicFile(path, force=True), entries, {"source": "bench_convert"}, checksum=False)
+    pos = 0
+    for name, _, _, nbytes in entries:
+        w.begin(name)
+        left = nbytes
+        while left:
+            k = min(left, len(pool) - pos % len(pool))
+            w.write(memoryview(pool)[pos % len(pool):][:k])
+            pos, left = pos + k, left - k
+    w.finish({})
+    return path.stat().st_size, blocks, len(layers)
+
+
+def child(argv: list[str], env: dict[str, str]) -> tuple[float, int, str]:
+    """Run argv; (wall seconds, peak RSS bytes, stdout)."""
+    os.sync()
+    t = time.perf_counter()
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    out, err = p.stdout.read(), p.stderr.read()  # type: ignore[union-attr]
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode:
+        raise SystemExit(f"{argv[:6]} failed ({p.returncode}): {err.decode()[-2000:]}")
+    return wall, ru.ru_maxrss * 1024, out.decode()
+
+
+COPY = """
+import os, shutil, sys, time, json
+t = time.perf_counter(); shutil.copyfile(sys.argv[1], sys.argv[2])
+fd = os.open(sys.argv[2], os.O_RDONLY); os.fsync(fd); os.close(fd)
+print(json.dumps({"seconds": time.perf_counter() - t}))
+"""
+MEMCPY = """
+import json, sys, time, torch
+n = int(sys.argv[1]); src = torch.empty(n, dtype=torch.uint8); dst = torch.empty_like(src)
+with open(sys.argv[2], "rb", buffering=0) as f: f.readinto(memoryview(src.numpy()))
+dst.copy_(src); best = 1e9
+for _ in range(3):
+    t = time.perf_counter(); dst.copy_(src); best = min(best, time.perf_counter() - t)
+print(json.dumps({"seconds": best}))
+"""
+GPU = """
+import json, sys, torch
+blocks, L, dim = map(int, sys.argv[1:4]); dev = "cuda"
+src = torch.randint(-32768, 32767, (blocks, L, dim), dtype=torch.int16, device=dev)
+dst_t = torch.empty(blocks, dim, L, dtype=torch.int16, device=dev); dst_c = torch.empty_like(src)
+def timed(fn):
+    fn(); torch.cuda.synchronize(); a, b = torch.cuda.Event(True), torch.cuda.Event(True); best = 1e9
+    for _ in range(10):
+        a.record(); fn(); b.record(); b.synchronize(); best = min(best, a.elapsed_time(b) / 1e3)
+    return best
+n = src.numel() * 2
+res = {"bytes": n, "d2d_copy_s": timed(lambda: dst_c.copy_(src)),
+       "transpose_s": timed(lambda: dst_t.copy_(src.transpose(1, 2))),
+       "device": torch.cuda.get_device_name()}
+print(json.dumps(res))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gb", type=float, default=2.0, help="input size in GiB (default 2)")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the files go (needs ~3x the size free)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda to add the GPU measurements")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    a = ap.parse_args()
+    size = int(a.size_gb * (1 << 30))
+    free = shutil.disk_usage(a.dir).free
+    if free < 3.2 * size:
+        raise SystemExit(f"{a.dir} has {free / 2**30:.1f} GiB free; need {3.2 * size / 2**30:.1f} (use --dir)")
+    work = Path(tempfile.mkdtemp(prefix="hybridpd-bench-", dir=a.dir))
+    env = _env(work / "shim")
+    py = sys.executable
+    try:
+        src, dst, back = work / "state.sd.safetensors", work / "state.ds.safetensors", work / "back.safetensors"
+        t = time.perf_counter()
+        nbytes, blocks, layers = make_input(src, size)
+        print(f"input: {src} {nbytes / 2**30:.2f} GiB ({blocks} blocks x {layers} layers, bf16 SD) written in "
+              f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
+        with open(src, "rb") as f:  # warm the page cache: every measurement reads a cached input
+            while f.read(64 << 20):
+                pass
+        cli = [py, "-m", "hybridpd_cli.main", "convert"]
+        runs: dict[str, list[tuple[float, float, int]]] = {}
+
+        def record(name: str, wall: float, core: float, rss: int) -> None:
+            runs.setdefault(name, []).append((wall, core, rss))
+
+        summary: dict[str, Any] = {}
+        for i in range(a.repeat):
+            wall, rss, out = child([py, "-c", COPY, str(src), str(dst)], env)
+            record("plain file copy (copy_file_range + fsync)", wall, json.loads(out)["seconds"], rss)
+            dst.unlink()
+            for flags, name in (([], "convert SD->DS (sha256 on)"), (["--no-checksum"], "convert SD->DS (no checksum)")):
+                wall, rss, out = child([*cli, str(src), str(dst), "--to", "DS", "--model", MODEL, "--json",
+                                        "--no-progress", *flags], env)
+                s = json.loads(out)
+                record(name, wall, s["seconds"], rss)
+                if not flags:
+                    summary = s
+                if i == 0 and not flags:  # correctness: DS->SD gives the source's data back
+                    _, _, out2 = child([*cli, str(dst), str(back), "--to", "SD", "--json", "--no-progress"], env)
+                    s2 = json.loads(out2)
+                    same = s2["checksums"][str(back)] == s["checksums"][str(src)]
+                    print(f"round trip SD->DS->SD bit-identical: {same}", file=sys.stderr)
+                    if not same:
+                        raise SystemExit("round trip mismatch")
+                    back.unlink()
+                dst.unlink()
+            if a.device.startswith("cuda"):
+                wall, rss, out = child([*cli, str(src), str(dst), "--to", "DS", "--model", MODEL, "--json",
+                                        "--no-progress", "--device", a.device], env)
+                record(f"convert SD->DS --device {a.device}", wall, json.loads(out)["seconds"], rss)
+                dst.unlink()
+            wall, rss, out = child([py, "-c", MEMCPY, str(nbytes), str(src)], env)
+            record("torch in-memory copy (same bytes)", wall, json.loads(out)["seconds"], rss)
+        gpu = None
+        if a.device.startswith("cuda"):
+            _, _, out = child([py, "-c", GPU, str(blocks * layers), "3", "6144"], env)
+            gpu = json.loads(out)
+        report(runs, nbytes, gpu, summary, a.json)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def report(runs: dict[str, list[tuple[float, float, int]]], nbytes: int, gpu: dict[str, Any] | None,
+           summary: dict[str, Any], as_json: bool) -> None:
+    rows = []
+    copy_core = statistics.median(r[1] for r in runs["plain file copy (copy_file_range + fsync)"])
+    for name, rs in runs.items():
+        core = statistics.median(r[1] for r in rs)
+        rows.append({"what": name, "runs": len(rs), "core_s_median": round(core, 3),
+                     "core_s_best": round(min(r[1] for r in rs), 3),
+                     "wall_s_median": round(statistics.median(r[0] for r in rs), 3),
+                     "GBps_core": round(nbytes / core / 1e9, 3), "vs_copy": round(copy_core / core, 2),
+                     "peak_rss_MiB": round(max(r[2] for r in rs) / 2**20, 1)})
+    if gpu:
+        gpu = {**gpu, "d2d_copy_GBps": round(gpu["bytes"] / gpu["d2d_copy_s"] / 1e9, 1),
+               "transpose_GBps": round(gpu["bytes"] / gpu["transpose_s"] / 1e9, 1)}
+        gpu["transpose_vs_d2d"] = round(gpu["d2d_copy_s"] / gpu["transpose_s"], 2)
+    if as_json:
+        print(json.dumps({"file_bytes": nbytes, "results": rows, "gpu": gpu,
+                          "convert_summary": {k: summary.get(k) for k in ("tensors_converted", "bytes_read",
+                                                                          "bytes_written", "bytes_per_second")}},
+                         indent=2))
+        return
+    print(f"file: {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB); GB/s = file bytes / core seconds; "
+          "vs_copy = copy time / this time")
+    print(f"{'what':46} {'core s':>8} {'best s':>8} {'wall s':>8} {'GB/s':>7} {'vs copy':>8} {'peak RSS':>10}")
+    for r in rows:
+        print(f"{r['what']:46} {r['core_s_median']:8.3f} {r['core_s_best']:8.3f} {r['wall_s_median']:8.3f} "
+              f"{r['GBps_core']:7.2f} {r['vs_copy']:8.2f} {r['peak_rss_MiB']:8.1f} MiB")
+    if gpu:
+        print(f"GPU {gpu['device']}: {gpu['bytes'] / 2**30:.2f} GiB conv state on device: d2d copy "
+              f"{gpu['d2d_copy_GBps']} GB/s, SD->DS transpose {gpu['transpose_GBps']} GB/s "
+              f"({gpu['transpose_vs_d2d']}x of the copy)")
+
+
+if __name__ == "__main__":
+    main()

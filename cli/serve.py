@@ -1,0 +1,197 @@
+"""`hybridpd serve`: launch P/D vLLM servers (NixlConnector) and the routing proxy, or print/emit the plan."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import replace
+from typing import Any
+
+import click
+
+from ._options import ModelArg, engine_options, settings_from
+from ._output import emit_json, hint, output_options
+
+
+def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for v in value:
+        if "=" not in v:
+            raise click.BadParameter(f"{v!r}: use KEY=VALUE")
+        k, _, val = v.partition("=")
+        out.append((k, val))
+    return tuple(out)
+
+
+def proxy_available() -> bool:
+    try:
+        return importlib.util.find_spec("hybridpd.proxy.__main__") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@click.command(context_settings={"ignore_unknown_options": False})
+@click.argument("model", type=ModelArg())
+@click.option("--role", type=click.Choice(["prefill", "decode", "proxy", "all"]), default="all", show_default=True,
+              help="What to run here: one side, the proxy, or everything supervised.")
+@click.option("--num-prefill", type=click.IntRange(min=1), default=1, show_default=True, help="P instances.")
+@click.option("--num-decode", type=click.IntRange(min=1), default=1, show_default=True, help="D instances.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="HTTP bind host of every process.")
+@click.option("--prefill-port", type=click.IntRange(1, 65535), default=8100, show_default=True,
+              help="HTTP port of prefill-0 (prefill-i: +i).")
+@click.option("--decode-port", type=click.IntRange(1, 65535), default=8200, show_default=True,
+              help="HTTP port of decode-0 (decode-i: +i).")
+@click.option("--proxy-port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--side-channel-host", default="127.0.0.1", show_default=True,
+              help="VLLM_NIXL_SIDE_CHANNEL_HOST (an address D can reach).")
+@click.option("--side-channel-port", type=click.IntRange(1, 65535), default=5600, show_default=True,
+              help="VLLM_NIXL_SIDE_CHANNEL_PORT base; instance k (P first, then D) gets base + k.")
+@click.option("--gpus", "--cpus", "devices", default=None,
+              help="Devices to split across instances in order, e.g. 0-3: GPUs (CUDA_VISIBLE_DEVICES) on cuda, "
+                   "cores (VLLM_CPU_OMP_THREADS_BIND) on cpu. Default: 0..N-1 / all cores.")
+@click.option("--cores-per-rank", type=click.IntRange(min=1), default=1, show_default=True,
+              help="CPU cores per TP rank (cpu).")
+@click.option("--cpu-kvcache-space", type=click.IntRange(min=1), default=1, show_default=True,
+              help="VLLM_CPU_KVCACHE_SPACE in GiB (cpu).")
+@click.option("--ucx-net-devices", default=None, help="UCX_NET_DEVICES (default: lo for a loopback side channel).")
+@click.option("--env", "extra_env", multiple=True, callback=_env_pairs, help="KEY=VALUE for every vLLM server.")
+@click.option("--prefill-arg", "prefill_args", multiple=True, help="Extra vllm serve argument for P only.")
+@click.option("--decode-arg", "decode_args", multiple=True, help="Extra vllm serve argument for D only.")
+@click.option("--vllm-python", type=click.Path(dir_okay=False), default=None,
+              help="Python of the venv with vLLM (default: this one). Its distribution picks the entry point.")
+@click.option("--vllm-command", default=None,
+              help="Command used like `vllm` (CMD serve MODEL ...), e.g. 'python vllm_cli.py'.")
+@click.option("--proxy-command", default=None, help="Proxy command (default: python -m hybridpd.proxy).")
+@click.option("--policy", type=click.Choice(["round_robin", "least_outstanding"]), default="round_robin",
+              show_default=True, help="Proxy routing policy.")
+@click.option("--auto-block-size", is_flag=True, help="Apply the plan's recommended --block-size to P and D.")
+@click.option("--force", is_flag=True, help="Launch despite error findings.")
+@click.option("--dry-run", is_flag=True, help="Print the launch plan (shell lines; --json: data); start nothing.")
+@click.option("--check", "check", is_flag=True,
+              help="Validate the generated arguments with vLLM's own parser (needs vLLM in --vllm-python).")
+@click.option("--emit", type=click.Choice(["k8s"]), default=None, help="Write Kubernetes manifests instead.")
+@click.option("-o", "--output", "output", default="-", show_default=True, help="File for --emit (- = stdout).")
+@click.option("--image", default="vllm/vllm-openai:latest", show_default=True, help="Container image (--emit k8s).")
+@click.option("--namespace", default=None, help="Namespace (--emit k8s).")
+@click.option("--llm-d", "llm_d", is_flag=True, help="Add llm-d labels/annotations (--emit k8s).")
+@click.option("--grace", type=click.FloatRange(min=0), default=15.0, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL when stopping.")
+@click.option("--health-timeout", type=click.FloatRange(min=1), default=900.0, show_default=True,
+              help="Seconds to wait for /health.")
+@engine_options
+@output_options
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None, **kw: Any) -> None:
+    """Launch P/D vLLM servers with the NixlConnector for MODEL, and the routing proxy.
+
+    Arguments after `--` go to every `vllm serve` unchanged. The plan's findings run first: an error
+    stops the launch and prints its fix.
+
+    \b
+    Examples:
+      hybridpd serve nano-fp8 --ptp 1 --dtp 1 --gpus 0-1 --dry-run
+      hybridpd serve ./tiny-llama --platform cpu --vllm-python /venvs/vllm/bin/python \\
+          --dry-run --json -- --load-format dummy --seed 0
+      hybridpd serve ./tiny-llama --platform cpu --vllm-python /venvs/vllm/bin/python --check
+      hybridpd serve granite-micro --ptp 2 --dtp 2 --emit k8s -o pd.yaml --llm-d
+    """
+    from hybridpd.launch import (
+        LaunchOptions,
+        build_launch_plan,
+        check_ports,
+        check_vllm_args,
+        command_entry,
+        detect_vllm_entry,
+        parse_devices,
+    )
+
+    p, d = settings_from(kw)
+    if kw["vllm_command"]:
+        entry = command_entry(kw["vllm_command"])
+        if kw["vllm_python"]:
+            entry = replace(entry, python=kw["vllm_python"])
+    else:
+        entry = detect_vllm_entry(kw["vllm_python"])
+        if entry.distribution is None and not (kw["dry_run"] or kw["emit"]):
+            hint(f"warning: no vllm / vllm-cpu distribution in {entry.python or sys.executable}; using `vllm` "
+                 "from PATH (pass --vllm-python or --vllm-command)")
+    import shlex
+
+    opts = LaunchOptions(
+        role=kw["role"], num_prefill=kw["num_prefill"], num_decode=kw["num_decode"], host=kw["host"],
+        prefill_port=kw["prefill_port"], decode_port=kw["decode_port"], proxy_port=kw["proxy_port"],
+        side_channel_host=kw["side_channel_host"], side_channel_port=kw["side_channel_port"],
+        devices=parse_devices(kw["devices"], field_name="--gpus/--cpus"), cores_per_rank=kw["cores_per_rank"],
+        cpu_kvcache_space=kw["cpu_kvcache_space"], ucx_net_devices=kw["ucx_net_devices"],
+        extra_args=tuple(vllm_args), prefill_args=tuple(kw["prefill_args"]), decode_args=tuple(kw["decode_args"]),
+        extra_env=kw["extra_env"], proxy_policy=kw["policy"],
+        proxy_command=tuple(shlex.split(kw["proxy_command"])) if kw["proxy_command"] else None,
+        auto_block_size=kw["auto_block_size"], allow_errors=kw["force"])
+    lp = build_launch_plan(model, prefill=p, decode=d, options=opts, entry=entry, vllm_version=kw["vllm_version"],
+                           platform=kw["platform"], allow_network=kw["allow_network"])
+    proxy_missing = lp.proxy is not None and not kw["proxy_command"] and not proxy_available()
+    for n in lp.notes:
+        hint(f"note: {n}")
+    for f in lp.findings:
+        if f.severity == "warning":
+            hint(f"warning: [{f.code}] {f.message} (fix: {f.fix})")
+
+    if kw["emit"] == "k8s":
+        from hybridpd.k8s import manifests, to_yaml, write_atomic
+
+        text = to_yaml(manifests(lp, image=kw["image"], namespace=kw["namespace"], llm_d=kw["llm_d"]))
+        if kw["output"] == "-":
+            click.echo(text, nl=False)
+        else:
+            write_atomic(kw["output"], text)
+            hint(f"wrote {len(lp.processes) * 2} manifests to {kw['output']}")
+        return
+
+    if kw["check"]:
+        from hybridpd.errors import ExternalToolError
+
+        python = kw["vllm_python"] or entry.python
+        if not python:
+            raise ExternalToolError("no Python with vLLM to check against", field="--check",
+                                    fix="pass --vllm-python PATH")
+        results = check_vllm_args(lp, python)
+        bad = [r for r in results if not r["ok"]]
+        if as_json:
+            emit_json({"check": results, "ok": not bad, "launch_plan": lp.to_dict() if kw["dry_run"] else None})
+        else:
+            for r in results:
+                click.echo(f"{r['name']}: " + ("ok (vLLM's parser accepts the arguments)" if r["ok"]
+                                               else f"REJECTED: {r['error']}"))
+        if bad:
+            raise SystemExit(1)
+        if not kw["dry_run"]:
+            return
+
+    if kw["dry_run"]:
+        if proxy_missing:
+            hint("note: hybridpd.proxy has no runnable entry (python -m hybridpd.proxy) yet; "
+                 "--role all would run P and D without it, --role proxy fails")
+        if as_json:
+            if not kw["check"]:
+                emit_json(lp.to_dict())
+        else:
+            click.echo("\n".join(lp.shell_lines()))
+        return
+
+    from hybridpd.errors import ExternalToolError
+
+    if proxy_missing:
+        if kw["role"] == "proxy":
+            raise ExternalToolError("the routing proxy has no runnable entry: `python -m hybridpd.proxy` "
+                                    "(hybridpd/proxy/__main__.py) does not exist yet", field="--role proxy",
+                                    fix="pass --proxy-command CMD, or run P/D with --role all and route yourself")
+        hint("warning: hybridpd.proxy has no runnable entry yet (python -m hybridpd.proxy); "
+             "starting P and D only (pass --proxy-command to supervise a proxy)")
+        lp = replace(lp, processes=tuple(x for x in lp.processes if x.role != "proxy"))
+    check_ports(lp)
+    from hybridpd.supervisor import Supervisor
+
+    code = Supervisor(lp, grace_s=kw["grace"], health_timeout_s=kw["health_timeout"],
+                      progress=sys.stderr.isatty()).run()
+    if code:
+        raise SystemExit(code)

@@ -1,0 +1,145 @@
+"""`hybridpd verify`: diff expected against transferred bytes — a NIXL rehearsal, or a live deployment."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from ._options import ModelArg, engine_options, settings_from
+from ._output import Report, Table, emit_json, emit_report, hint, output_options, resolve_format
+
+
+@click.command()
+@click.argument("model", type=ModelArg())
+@engine_options
+@click.option("--rehearse", is_flag=True, help="Rehearse the transfer in real memory with NIXL (no GPU, no vLLM).")
+@click.option("--isl", type=click.IntRange(min=1), default=None,
+              help="Request length in tokens (rehearsal default: 1.5 blocks; live default: 1.5 blocks).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the full-model state and block ids.")
+@click.option("--inject", type=click.Choice(["offset", "length"]), default=None,
+              help="Fault injection: shift one remote descriptor by a block, or shorten one.")
+@click.option("--inject-rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="D rank whose first READ gets the fault.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the rehearsal's KV tensors live (cuda/VRAM: not implemented yet, issue #7).")
+@click.option("--transport", type=click.Choice(["nixl", "numpy"]), default="nixl", show_default=True,
+              help="nixl: one NIXL agent per rank in separate processes; numpy: in-process copies (no NIXL).")
+@click.option("--max-rank-bytes", type=click.IntRange(min=1 << 20), default=64 << 20, show_default=True,
+              help="Cap on KV bytes per rank when --num-blocks is not given.")
+@click.option("--decode", "decode_url", default=None, help="Live mode: decode server URL (reads its /metrics).")
+@click.option("--prefill", "prefill_url", default=None, help="Live mode: prefill server URL.")
+@click.option("--proxy", "proxy_url", default=None, help="Live mode: proxy URL (probes go through it).")
+@click.option("--served-model-name", default=None, help="Live mode: model name in requests (default: MODEL).")
+@click.option("--prompt-tokens", is_flag=True, help="Live mode: send token-id prompts so the length is exact.")
+@click.option("--passive", is_flag=True, help="Live mode: no probes; diff counters over --window seconds.")
+@click.option("--window", type=click.FloatRange(min=0.1), default=60.0, show_default=True)
+@output_options
+def verify(model: str, rehearse: bool, isl: int | None, seed: int, inject: str | None, inject_rank: int,
+           device: str, transport: str, max_rank_bytes: int, decode_url: str | None, prefill_url: str | None,
+           proxy_url: str | None, served_model_name: str | None, prompt_tokens: bool, passive: bool,
+           window: float, as_json: bool, fmt: str | None, **kw: Any) -> None:
+    """Check that P/D moves exactly the bytes the plan predicts, and the right ones.
+
+    \b
+    Examples:
+    Rehearsal (no GPU, no vLLM):
+      hybridpd verify nano-fp8 --ptp 1 --dtp 2 --rehearse
+      hybridpd verify granite-tiny --ptp 1 --dtp 2 --rehearse --json     # fails: B/C corruption
+      hybridpd verify MODEL --rehearse --inject offset                     # must fail
+    Live:
+      hybridpd verify MODEL --ptp 1 --dtp 1 --decode http://d:8200 --prefill http://p:8100
+      hybridpd verify MODEL --decode http://d:8200 --proxy http://proxy:8000 --prompt-tokens
+      hybridpd verify MODEL --decode http://d:8200 --passive --window 60
+    Exit 1 on any mismatch, 2 on a refused combination.
+    """
+    from hybridpd.errors import UsageError
+    from hybridpd.plan import build_plan
+
+    p, d = settings_from(kw)
+    plan = build_plan(model, prefill=p, decode=d, vllm_version=kw["vllm_version"], platform=kw["platform"],
+                      allow_network=kw["allow_network"])
+    out = resolve_format(as_json, fmt)
+    if rehearse:
+        if decode_url or prefill_url or proxy_url or passive:
+            raise UsageError("--rehearse cannot be combined with live options", field="--rehearse")
+        if device == "cuda":
+            raise UsageError("VRAM rehearsal is not implemented yet (issue #7); the rehearsal runs on DRAM",
+                             field="--device", fix="use --device cpu")
+        data = _rehearse(plan, kw["num_blocks"], isl, seed, inject, inject_rank, transport, max_rank_bytes)
+        if out == "json":
+            emit_json(data)
+        else:
+            emit_report(render_rehearsal(data), out)
+        if not data["ok"]:
+            raise SystemExit(1)
+        return
+    if not decode_url:
+        raise UsageError("choose a mode: --rehearse, or --decode URL for a live deployment", field="verify",
+                         fix="add --rehearse")
+    from hybridpd import live
+
+    name = served_model_name or model
+    if passive:
+        data = live.run_passive(decode_url, plan, window)
+    else:
+        data = live.run_probes(decode_url, plan, name, isls=[isl] if isl else None, prefill_url=prefill_url,
+                               proxy_url=proxy_url, token_ids=prompt_tokens)
+    if out == "json":
+        emit_json(data)
+    else:
+        emit_report(live.render(data), out)
+    if not data["ok"]:
+        raise SystemExit(1)
+
+
+def _rehearse(plan: Any, num_blocks: int | None, isl: int | None, seed: int, inject: str | None,
+              inject_rank: int, transport: str, max_rank_bytes: int) -> dict[str, Any]:
+    from hybridpd.rehearsal import make_setup, run_in_memory, summarize
+
+    setup = make_setup(plan, num_blocks=num_blocks, isl=isl, seed=seed, inject=inject, inject_rank=inject_rank,
+                       max_rank_bytes=max_rank_bytes)
+    for n in setup.notes:
+        hint(n)
+    if transport == "numpy":
+        per_rank = run_in_memory(setup)
+    else:
+        from hybridpd.nixl_agent import run_nixl
+
+        per_rank = run_nixl(setup)
+    return summarize(setup, per_rank, transport)
+
+
+def render_rehearsal(data: dict[str, Any]) -> Report:
+    rep = Report()
+    rows: list[Sequence[Any]] = []
+    for r in data["per_rank"]:
+        ec, mc, bad = r["expected_components"], r["moved_components"], r["mismatched_bytes"]
+        for c in ("FA", "x", "B", "C", "SSM"):
+            if ec[c] or mc[c] or bad.get(c):
+                rows.append([r["rank"], c, ec[c], mc[c], bad.get(c, 0), "ok" if ec[c] == mc[c] and not bad.get(c)
+                             else "MISMATCH"])
+        for c in ("padding", "other"):
+            if bad.get(c):
+                rows.append([r["rank"], c, 0, 0, bad[c], "MISMATCH"])
+        tel = r.get("telemetry") or {}
+        rows.append([r["rank"], "total", r["expected_bytes"], r["moved_bytes"], sum(bad.values()),
+                     f"descs {r['moved_descriptors']} (plan {r['expected_descriptors_min']}-"
+                     f"{r['expected_descriptors']}), READs {r['reads']}"
+                     + (f", NIXL telemetry {tel['bytes']:,} B / {tel['descriptors']} descs" if tel else "")])
+    rep.tables.append(Table(
+        title=f"Rehearsal {data['model']} P TP{data['ptp']} -> D TP{data['dtp']} (vLLM {data['vllm_profile']}, "
+              f"{data['transport']}), ISL {data['isl']} -> {data['tokens_transferred']} tokens, "
+              f"{data['num_blocks']} blocks/rank",
+        headers=["D rank", "component", "expected B", "moved B", "wrong B at D", "verdict"], rows=rows))
+    for f in data["findings"]:
+        rep.notes.append(f"plan finding {f['code']}: {f['message']}")
+    for r in data["per_rank"]:
+        for i in r["injected"]:
+            rep.notes.append(i)
+        for m in r["mismatches"]:
+            rep.notes.append("MISMATCH " + m)
+    rep.notes.append("PASS: every D rank holds exactly its slice, bytes and descriptors match the plan"
+                     if data["ok"] else "FAIL")
+    return rep

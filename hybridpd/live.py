@@ -1,0 +1,138 @@
+"""`verify --decode URL`: probe a running P/D deployment and diff D's NIXL counters against the plan.
+
+One probe at a time: snapshot D's /metrics, send a prompt of exactly ``isl`` tokens (through the proxy,
+or P with ``do_remote_decode`` then D with P's ``kv_transfer_params`` unchanged), snapshot again, diff.
+vLLM pools the NIXL metrics across D's TP ranks, so the deltas are compared with the plan's total.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from typing import Any
+
+from . import metrics
+from .findings import ERROR
+
+
+def prompt_ids(n: int) -> list[int]:
+    return [100 + i % 500 for i in range(n)]
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    req = urllib.request.Request(url.rstrip("/") + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - user-given URL
+        return json.loads(r.read().decode())
+
+
+def send_probe(decode_url: str, other_url: str, model_name: str, isl: int, *, proxy: bool = False,
+               token_ids: bool = True, timeout: float = 120.0) -> dict[str, Any]:
+    prompt: Any = prompt_ids(isl) if token_ids else "a" * isl
+    if proxy:
+        return {"proxy": _post(other_url, {"model": model_name, "prompt": prompt, "max_tokens": 1}, timeout)}
+    p_body = {"model": model_name, "prompt": prompt, "max_tokens": 1,
+              "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                     "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+    p_resp = _post(other_url, p_body, timeout)
+    params = p_resp.get("kv_transfer_params")
+    if params is None:
+        raise RuntimeError("prefill returned no kv_transfer_params: is it running with NixlConnector?")
+    d_resp = _post(decode_url, {"model": model_name, "prompt": prompt, "max_tokens": 1,
+                                "kv_transfer_params": params}, timeout)
+    return {"prefill": p_resp, "decode": d_resp}
+
+
+def _plan_errors(plan: Any) -> list[str]:
+    return [f"{f.code}: {f.message}" for f in plan.findings if f.severity == ERROR]
+
+
+def run_probe(decode_url: str, other_url: str, plan: Any, isl: int, model_name: str, *, proxy: bool = False,
+              token_ids: bool = True, settle_s: float = 0.5) -> dict[str, Any]:
+    """One probe of ``isl`` tokens; returns the comparison of D's metric deltas with plan.transfer_for(isl)."""
+    before = metrics.snapshot(decode_url)
+    send_probe(decode_url, other_url, model_name, isl, proxy=proxy, token_ids=token_ids)
+    after = metrics.snapshot(decode_url)
+    t0 = time.monotonic()
+    while after.get("vllm:nixl_bytes_transferred_count", 0) == before.get("vllm:nixl_bytes_transferred_count", 0) \
+            and time.monotonic() - t0 < settle_s:
+        time.sleep(0.05)
+        after = metrics.snapshot(decode_url)
+    errs = _plan_errors(plan)
+    res = metrics.compare(metrics.delta(before, after), metrics.expected_for(plan, isl), plan_ok=not errs,
+                          plan_errors=errs)
+    res["isl"] = isl
+    res["tokens_transferred"] = plan.transfer_for(isl).tokens_transferred
+    return res
+
+
+def default_isls(plan: Any) -> list[int]:
+    b = plan.prefill.block_size
+    return [b + b // 2, 3 * b + 1]
+
+
+def run_probes(decode_url: str, plan: Any, model_name: str, *, isls: list[int] | None = None,
+               prefill_url: str | None = None, proxy_url: str | None = None,
+               token_ids: bool = True) -> dict[str, Any]:
+    from .errors import UsageError
+
+    if not (prefill_url or proxy_url):
+        raise UsageError("live mode needs --prefill URL or --proxy URL", field="--prefill/--proxy")
+    if plan.routes is None:
+        raise UsageError("the plan has no transfer routes for this combination", fix="run `hybridpd plan`")
+    probes = [run_probe(decode_url, proxy_url or prefill_url or "", plan, n, model_name, proxy=bool(proxy_url),
+                        token_ids=token_ids) for n in (isls or default_isls(plan))]
+    return {"mode": "live", "model": plan.model.model_id, "decode": decode_url, "via": "proxy" if proxy_url
+            else "prefill", "note": metrics.POOLING_NOTE, "plan_errors": _plan_errors(plan), "probes": probes,
+            "ok": all(p["ok"] for p in probes)}
+
+
+def run_passive(decode_url: str, plan: Any, window: float) -> dict[str, Any]:
+    before = metrics.snapshot(decode_url)
+    time.sleep(window)
+    after = metrics.snapshot(decode_url)
+    d = metrics.delta(before, after)
+    return passive_verdict(d, plan, window)
+
+
+def passive_verdict(d: dict[str, float], plan: Any, window: float) -> dict[str, Any]:
+    hist = metrics.prompt_histogram(d)
+    max_len = plan.prefill.settings.max_model_len or plan.model.max_position_embeddings or 131072
+    n, lo, hi = metrics.passive_bounds(plan, hist, max_len)
+    moved = int(round(d.get("vllm:nixl_bytes_transferred_sum", 0.0)))
+    fails = {k: int(round(d.get(k, 0.0))) for k in metrics.FAILURE_SERIES}
+    mism = [f"{k} rose by {v}" for k, v in fails.items() if v]
+    if not lo <= moved <= hi:
+        mism.append(f"bytes: moved {moved:,}, plan predicts {lo:,}..{hi:,} for {n} requests (approximate: from "
+                    "the prompt-length histogram buckets)")
+    errs = _plan_errors(plan)
+    if errs:
+        mism.append("the plan has error findings: not healthy even if the counters match")
+    return {"mode": "passive", "approximate": True, "window_s": window, "requests": n, "expected_bytes_min": lo,
+            "expected_bytes_max": hi, "moved_bytes": moved, "failures": fails, "note": metrics.POOLING_NOTE,
+            "plan_errors": errs, "mismatches": mism, "ok": not mism}
+
+
+def render(data: dict[str, Any]) -> Any:
+    from hybridpd_cli._output import Report, Table
+
+    rep = Report()
+    if data["mode"] == "live":
+        rows = [[p["isl"], p["expected_bytes"], p["moved_bytes"],
+                 f"{p['expected_descriptors_min']}-{p['expected_descriptors']}", p["moved_descriptors"],
+                 p["expected_transfers"], p["transfers"], "ok" if p["ok"] else "MISMATCH"] for p in data["probes"]]
+        rep.tables.append(Table(title=f"Live probes against {data['decode']} (via {data['via']})",
+                                headers=["ISL", "expected B", "moved B", "expected descs", "descs", "expected READs",
+                                         "READs", "verdict"], rows=rows))
+        for p in data["probes"]:
+            rep.notes.extend(f"ISL {p['isl']}: {m}" for m in p["mismatches"])
+    else:
+        rep.tables.append(Table(title=f"Passive window {data['window_s']} s (approximate)",
+                                headers=["requests", "expected B (min..max)", "moved B", "verdict"],
+                                rows=[[data["requests"], f"{data['expected_bytes_min']:,}..{data['expected_bytes_max']:,}",
+                                       data["moved_bytes"], "ok" if data["ok"] else "MISMATCH"]]))
+        rep.notes.extend(data["mismatches"])
+    rep.notes.append(data["note"])
+    rep.notes.append("HEALTHY" if data["ok"] else "NOT HEALTHY")
+    return rep

