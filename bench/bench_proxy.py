@@ -11,7 +11,7 @@ Backends, the proxy under test and the load generator run in separate processes 
 so absolute numbers depend on the box; compare the ratios). Every response is checked (text derived from the
 prompt, ``data: [DONE]``, P/D pairing verified by the fake D): a wrong answer counts as an error.
 
-    python bench/bench_proxy.py                      # ~20 s (each row stops after --max-seconds 5)
+    python bench/bench_proxy.py                      # ~20 s (per row: 2 s warm-up, then at most 4 s measured)
     python bench/bench_proxy.py --requests 5000 --concurrency 64 --tokens 32 --no-stream
 """
 
@@ -213,30 +213,41 @@ async def _one(session: aiohttp.ClientSession, url: str, i: int, tokens: int, st
     row.ttfbs.append(ttfb or elapsed)
 
 
-async def _load(
-    url: str, row: Row, *, requests: int, concurrency: int, tokens: int, stream: bool, warmup: int, max_seconds: float
+async def _run_workers(
+    session: aiohttp.ClientSession, url: str, row: Row, *, first: int, requests: int, concurrency: int, tokens: int,
+    stream: bool, max_seconds: float,
 ) -> None:
+    counter = iter(range(first, first + requests))
+    t0 = time.perf_counter()
+
+    async def worker() -> None:
+        for i in counter:
+            if time.perf_counter() - t0 > max_seconds:
+                row.capped = True
+                return
+            await _one(session, url, i, tokens, stream, row)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    row.wall = time.perf_counter() - t0
+
+
+async def _load(
+    url: str, row: Row, *, requests: int, concurrency: int, tokens: int, stream: bool, warmup_seconds: float,
+    max_seconds: float,
+) -> None:
+    """Warm up at full concurrency (connection pools grow, caches fill), then measure."""
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         scratch = Row("warmup")
-        await asyncio.gather(*(_one(session, url, -1 - i, tokens, stream, scratch) for i in range(warmup)))
+        await _run_workers(session, url, scratch, first=10**9, requests=10**9, concurrency=concurrency,
+                           tokens=tokens, stream=stream, max_seconds=warmup_seconds)
         if scratch.errors:
             row.errors += scratch.errors
             row.first_error = scratch.first_error
             return
-        counter = iter(range(requests))
-        t0 = time.perf_counter()
-
-        async def worker() -> None:
-            for i in counter:
-                if time.perf_counter() - t0 > max_seconds:
-                    row.capped = True
-                    return
-                await _one(session, url, i, tokens, stream, row)
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        row.wall = time.perf_counter() - t0
+        await _run_workers(session, url, row, first=0, requests=requests, concurrency=concurrency, tokens=tokens,
+                           stream=stream, max_seconds=max_seconds)
 
 
 async def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
@@ -278,7 +289,7 @@ async def _bench(args: argparse.Namespace) -> int:
         "concurrency": args.concurrency,
         "tokens": args.tokens,
         "stream": args.stream,
-        "warmup": min(args.concurrency * 2, 100),
+        "warmup_seconds": args.warmup_seconds,
         "max_seconds": args.max_seconds,
     }
     fakes = _spawn("--serve-fakes")
@@ -353,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32, help="concurrent client requests (default 32)")
     ap.add_argument("--tokens", type=int, default=16, help="tokens per answer (SSE events when streaming)")
     ap.add_argument("--no-stream", dest="stream", action="store_false", help="non-streaming requests")
-    ap.add_argument("--max-seconds", type=float, default=5.0, help="stop a row after this long (default 5)")
+    ap.add_argument("--max-seconds", type=float, default=4.0, help="stop a row after this long (default 4)")
+    ap.add_argument("--warmup-seconds", type=float, default=2.0, help="unmeasured warm-up per row (default 2)")
     ap.add_argument("--serve-fakes", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve-hybridpd", nargs=3, metavar=("P", "D", "PORT"), help=argparse.SUPPRESS)
     ap.add_argument("--serve-toy", nargs=3, metavar=("P", "D", "PORT"), help=argparse.SUPPRESS)

@@ -353,3 +353,22 @@ def test_config_rejects_bad_values_naming_the_field(kw: dict[str, Any], field: s
     with pytest.raises(ProxyConfigError) as ei:
         ProxyConfig(**args)
     assert ei.value.field == field and isinstance(ei.value, UsageError)
+
+
+# ----------------------------------------------------------------------------- python -m hybridpd.proxy
+
+
+def test_cli_accepts_the_launchers_flags_and_reads_keys_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridpd.proxy.__main__ import main, parse_args
+
+    monkeypatch.setenv("HYBRIDPD_PROXY_API_KEY", "k1")
+    monkeypatch.delenv("HYBRIDPD_PROXY_BACKEND_API_KEY", raising=False)
+    # the argv hybridpd.launch.proxy_argv builds
+    cfg = parse_args(["--host", "127.0.0.1", "--port", "8000", "--policy", "least_outstanding",
+                      "--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200",
+                      "--decode", "http://127.0.0.1:8201/", "--prefill-timeout", "30"])
+    assert cfg.prefill_urls == ("http://127.0.0.1:8100",)
+    assert cfg.decode_urls == ("http://127.0.0.1:8200", "http://127.0.0.1:8201")
+    assert (cfg.policy, cfg.port, cfg.prefill_timeout_s, cfg.api_key, cfg.backend_api_key) == (
+        "least_outstanding", 8000, 30.0, "k1", None)
+    assert main(["--prefill", "http://p:1/v1", "--decode", "http://d:1"]) == 2

@@ -17,24 +17,37 @@ from hybridpd.proxy.app import run_proxy
 from hybridpd.proxy.config import POLICIES, ProxyConfig
 
 
-def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
+def build_parser() -> argparse.ArgumentParser:
     defaults = ProxyConfig(prefill_urls=("http://127.0.0.1:1",), decode_urls=("http://127.0.0.1:2",))
-    p = argparse.ArgumentParser(prog="python -m hybridpd.proxy", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m hybridpd.proxy",
+        description="P/D routing proxy for vLLM + NixlConnector (OpenAI /v1/completions and /v1/chat/completions).",
+        epilog="API keys: HYBRIDPD_PROXY_API_KEY (required from clients), HYBRIDPD_PROXY_BACKEND_API_KEY (sent to vLLM).",
+    )
     p.add_argument("--prefill", action="append", required=True, metavar="URL", help="prefill vLLM server root")
     p.add_argument("--decode", action="append", required=True, metavar="URL", help="decode vLLM server root")
-    p.add_argument("--host", default=defaults.host)
-    p.add_argument("--port", type=int, default=defaults.port)
-    p.add_argument("--policy", choices=POLICIES, default=defaults.policy)
-    p.add_argument("--prefill-timeout", type=float, default=defaults.prefill_timeout_s)
-    p.add_argument("--decode-first-byte-timeout", type=float, default=defaults.decode_first_byte_timeout_s)
-    p.add_argument("--decode-idle-timeout", type=float, default=defaults.decode_idle_timeout_s)
-    p.add_argument("--decode-timeout", type=float, default=defaults.decode_timeout_s)
-    p.add_argument("--health-interval", type=float, default=defaults.health_interval_s)
-    p.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes)
-    p.add_argument("--access-log", action="store_true")
-    p.add_argument("--log-level", default="INFO")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    p.add_argument("--host", default=defaults.host, help="listen address (default %(default)s)")
+    p.add_argument("--port", type=int, default=defaults.port, help="listen port (default %(default)s)")
+    p.add_argument("--policy", choices=POLICIES, default=defaults.policy, help="backend selection (default %(default)s)")
+    p.add_argument("--prefill-timeout", type=float, default=defaults.prefill_timeout_s, metavar="S",
+                   help="whole prefill leg; exceeded -> 504 (default %(default)s)")
+    p.add_argument("--decode-first-byte-timeout", type=float, default=defaults.decode_first_byte_timeout_s,
+                   metavar="S", help="streams: until D's first byte; exceeded -> 504 (default %(default)s)")
+    p.add_argument("--decode-idle-timeout", type=float, default=defaults.decode_idle_timeout_s, metavar="S",
+                   help="streams: longest gap between chunks (default %(default)s)")
+    p.add_argument("--decode-timeout", type=float, default=defaults.decode_timeout_s, metavar="S",
+                   help="whole decode leg (default %(default)s)")
+    p.add_argument("--health-interval", type=float, default=defaults.health_interval_s, metavar="S",
+                   help="GET /health period per backend (default %(default)s)")
+    p.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes, metavar="N",
+                   help="larger bodies -> 413 (default %(default)s)")
+    p.add_argument("--access-log", action="store_true", help="log every request (logger hybridpd.proxy.access)")
+    p.add_argument("--log-level", default="INFO", help="default %(default)s")
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> ProxyConfig:
+    """The ``ProxyConfig`` for parsed arguments; raises ``ProxyConfigError`` (a ``UsageError``) on bad values."""
     return ProxyConfig(
         prefill_urls=tuple(a.prefill),
         decode_urls=tuple(a.decode),
@@ -53,9 +66,15 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
     )
 
 
+def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
+    return config_from_args(build_parser().parse_args(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = parse_args(argv)
+        config = config_from_args(args)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
