@@ -1,17 +1,19 @@
 """Benchmark `hybridpd convert` on a large file against a plain file copy and an in-memory torch copy.
 
 Writes a >= 2 GB safetensors file of Nano-shaped SD conv states (the worst case for convert: every
-byte is transposed), then, in the same run and alternating, measures in fresh child processes:
+byte is transposed), checks that SD->DS->SD gives the same data back, then measures in fresh child
+processes, the order rotating each repeat, with a sync and a pause before each run:
 
 - ``copy``: shutil.copyfile (kernel copy_file_range) + fsync, the floor for any file-to-file tool;
 - ``convert SD->DS``: the real CLI (``hybridpd convert ... --to DS --model nano``), fsync included,
-  with and without checksums;
+  with each ``--checksum`` (crc32, the default; sha256; none);
 - ``torch memcpy``: ``dst.copy_(src)`` of the same bytes already in RAM (memory bandwidth);
 - with ``--device cuda``: the CLI with ``--device cuda``, and on the GPU the transpose kernel against a
   plain device-to-device copy of the same bytes.
 
 Wall time includes interpreter start and ``import torch``; "core" is what the command reports for
-the conversion itself.  Peak RSS is each child's ru_maxrss.  Files are deleted at the end.
+the conversion itself (torch already imported).  Peak RSS is each child's VmHWM (``import torch`` alone
+is ~220 MiB for the CPU build, ~500 MiB for the CUDA build).  Files are deleted at the end.
 
     python bench/bench_convert.py                    # 2 GiB in $TMPDIR
     python bench/bench_convert.py --size-gb 4 --dir /data --repeat 5 --json
@@ -68,7 +70,7 @@ def make_input(path: Path, size: int) -> tuple[int, int, int]:
     blocks = -(-size // (len(layers) * row))
     entries = [(f"model.layers.{i}.mixer.conv_state", "BF16", (blocks, L, dim), blocks * row) for i in layers]
     pool = torch.randint(-32768, 32767, (64 << 19,), dtype=torch.int16).numpy().tobytes()  # 64 MiB
-    w = Writer(AtomicFile(path, force=True), entries, {"source": "bench_convert"}, checksum=False)
+    w = Writer(AtomicFile(path, force=True), entries, {"source": "bench_convert"}, checksum="none")
     pos = 0
     for name, _, _, nbytes in entries:
         w.begin(name)
@@ -81,27 +83,48 @@ def make_input(path: Path, size: int) -> tuple[int, int, int]:
     return path.stat().st_size, blocks, len(layers)
 
 
+# Every child prints its own peak RSS (VmHWM) at exit: ru_maxrss of a child would include the parent's
+# high-water mark, which Linux carries across fork and exec.
+HWM = """
+import atexit, sys
+def _hwm():
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM"):
+                sys.stderr.write("BENCH_PEAK_RSS %d\\n" % (int(line.split()[1]) * 1024))
+    except OSError:
+        pass
+atexit.register(_hwm)
+"""
+CLI = HWM + "from hybridpd_cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
+
+
+def settle() -> None:
+    """Flush dirty pages and give the filesystem a moment (ext4 with `discard` trims freed blocks late),
+    so one run's deleted output does not slow the next run's writes."""
+    os.sync()
+    time.sleep(1.0)
+
+
 def child(argv: list[str], env: dict[str, str]) -> tuple[float, int, str]:
     """Run argv; (wall seconds, peak RSS bytes, stdout)."""
-    os.sync()
     t = time.perf_counter()
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    out, err = p.stdout.read(), p.stderr.read()  # type: ignore[union-attr]
-    _, status, ru = os.wait4(p.pid, 0)
+    p = subprocess.run(argv, capture_output=True, env=env)
     wall = time.perf_counter() - t
-    p.returncode = os.waitstatus_to_exitcode(status)
+    err = p.stderr.decode()
     if p.returncode:
-        raise SystemExit(f"{argv[:6]} failed ({p.returncode}): {err.decode()[-2000:]}")
-    return wall, ru.ru_maxrss * 1024, out.decode()
+        raise SystemExit(f"{argv[:6]} failed ({p.returncode}): {err[-2000:]}")
+    peak = [int(line.split()[1]) for line in err.splitlines() if line.startswith("BENCH_PEAK_RSS")]
+    return wall, (peak[-1] if peak else 0), p.stdout.decode()
 
 
-COPY = """
+COPY = HWM + """
 import os, shutil, sys, time, json
 t = time.perf_counter(); shutil.copyfile(sys.argv[1], sys.argv[2])
 fd = os.open(sys.argv[2], os.O_RDONLY); os.fsync(fd); os.close(fd)
 print(json.dumps({"seconds": time.perf_counter() - t}))
 """
-MEMCPY = """
+MEMCPY = HWM + """
 import json, sys, time, torch
 n = int(sys.argv[1]); src = torch.empty(n, dtype=torch.uint8); dst = torch.empty_like(src)
 with open(sys.argv[2], "rb", buffering=0) as f: f.readinto(memoryview(src.numpy()))
@@ -135,7 +158,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda to add the GPU measurements")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--make-input", nargs=2, metavar=("PATH", "BYTES"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.make_input:
+        print(json.dumps(make_input(Path(a.make_input[0]), int(a.make_input[1]))))
+        return
     size = int(a.size_gb * (1 << 30))
     free = shutil.disk_usage(a.dir).free
     if free < 3.2 * size:
@@ -146,46 +173,40 @@ def main() -> None:
     try:
         src, dst, back = work / "state.sd.safetensors", work / "state.ds.safetensors", work / "back.safetensors"
         t = time.perf_counter()
-        nbytes, blocks, layers = make_input(src, size)
+        _, _, made = child([py, __file__, "--make-input", str(src), str(size)], env)  # keeps this process lean
+        nbytes, blocks, layers = json.loads(made)
         print(f"input: {src} {nbytes / 2**30:.2f} GiB ({blocks} blocks x {layers} layers, bf16 SD) written in "
               f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
         with open(src, "rb") as f:  # warm the page cache: every measurement reads a cached input
             while f.read(64 << 20):
                 pass
-        cli = [py, "-m", "hybridpd_cli.main", "convert"]
-        runs: dict[str, list[tuple[float, float, int]]] = {}
-
-        def record(name: str, wall: float, core: float, rss: int) -> None:
-            runs.setdefault(name, []).append((wall, core, rss))
-
+        cli = [py, "-c", CLI, "convert"]
+        conv = [*cli, str(src), str(dst), "--to", "DS", "--model", MODEL, "--json", "--no-progress"]
+        ops: list[tuple[str, list[str]]] = [
+            ("plain file copy (copy_file_range + fsync)", [py, "-c", COPY, str(src), str(dst)]),
+            ("convert SD->DS (default: crc32)", conv),
+            ("convert SD->DS --checksum sha256", [*conv, "--checksum", "sha256"]),
+            ("convert SD->DS --checksum none", [*conv, "--checksum", "none"])]
+        if a.device.startswith("cuda"):
+            ops.append((f"convert SD->DS --device {a.device}", [*conv, "--device", a.device]))
+        ops.append(("torch in-memory copy (same bytes)", [py, "-c", MEMCPY, str(nbytes), str(src)]))
+        runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name, _ in ops}
         summary: dict[str, Any] = {}
-        for i in range(a.repeat):
-            wall, rss, out = child([py, "-c", COPY, str(src), str(dst)], env)
-            record("plain file copy (copy_file_range + fsync)", wall, json.loads(out)["seconds"], rss)
-            dst.unlink()
-            for flags, name in (([], "convert SD->DS (sha256 on)"), (["--no-checksum"], "convert SD->DS (no checksum)")):
-                wall, rss, out = child([*cli, str(src), str(dst), "--to", "DS", "--model", MODEL, "--json",
-                                        "--no-progress", *flags], env)
-                s = json.loads(out)
-                record(name, wall, s["seconds"], rss)
-                if not flags:
-                    summary = s
-                if i == 0 and not flags:  # correctness: DS->SD gives the source's data back
-                    _, _, out2 = child([*cli, str(dst), str(back), "--to", "SD", "--json", "--no-progress"], env)
-                    s2 = json.loads(out2)
-                    same = s2["checksums"][str(back)] == s["checksums"][str(src)]
-                    print(f"round trip SD->DS->SD bit-identical: {same}", file=sys.stderr)
-                    if not same:
-                        raise SystemExit("round trip mismatch")
-                    back.unlink()
-                dst.unlink()
-            if a.device.startswith("cuda"):
-                wall, rss, out = child([*cli, str(src), str(dst), "--to", "DS", "--model", MODEL, "--json",
-                                        "--no-progress", "--device", a.device], env)
-                record(f"convert SD->DS --device {a.device}", wall, json.loads(out)["seconds"], rss)
-                dst.unlink()
-            wall, rss, out = child([py, "-c", MEMCPY, str(nbytes), str(src)], env)
-            record("torch in-memory copy (same bytes)", wall, json.loads(out)["seconds"], rss)
+        _, _, out = child(conv, env)  # correctness first: SD->DS->SD gives the source's data back
+        summary = json.loads(out)
+        _, _, out2 = child([*cli, str(dst), str(back), "--to", "SD", "--json", "--no-progress"], env)
+        same = json.loads(out2)["checksums"][str(back)] == summary["checksums"][str(src)]
+        print(f"round trip SD->DS->SD bit-identical: {same}", file=sys.stderr)
+        if not same:
+            raise SystemExit("round trip mismatch")
+        for p in (dst, back):
+            p.unlink()
+        for i in range(a.repeat):  # the order rotates, so no operation always follows the same one
+            for name, argv in ops[i % len(ops):] + ops[:i % len(ops)]:
+                settle()
+                wall, rss, out = child(argv, env)
+                runs[name].append((wall, json.loads(out)["seconds"], rss))
+                dst.unlink(missing_ok=True)
         gpu = None
         if a.device.startswith("cuda"):
             _, _, out = child([py, "-c", GPU, str(blocks * layers), "3", "6144"], env)

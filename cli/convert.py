@@ -51,13 +51,15 @@ _MAX_ROWS = 40
                    "exit 1 at the first mismatch.")
 @click.option("--force", is_flag=True, help="Overwrite existing outputs (never the input).")
 @click.option("--device", default="cpu", show_default=True, help="Where the transposes run: cpu, cuda or cuda:N.")
-@click.option("--no-checksum", is_flag=True, help="Skip the sha256 of input and output data (faster).")
+@click.option("--checksum", type=click.Choice(["crc32", "sha256", "none"]), default="crc32", show_default=True,
+              help="Checksum of every input's and output's tensor data, in --json and the output's metadata "
+                   "(sha256 for content identity; costs more CPU).")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when a terminal).")
 @click.option("--allow-network", is_flag=True, help="Let MODEL resolution fetch config.json from the Hub.")
 @output_options
 def convert(input_path: str, output_path: str, to: str | None, from_layout: str | None, model: str | None,
             num_spec: int, pattern: str | None, tp_split: int | None, tp_merge: bool, check: bool, force: bool,
-            device: str, no_checksum: bool, progress: bool | None, allow_network: bool, as_json: bool,
+            device: str, checksum: str, progress: bool | None, allow_network: bool, as_json: bool,
             fmt: str | None) -> None:
     """Convert Mamba2 conv state snapshots (safetensors) between SD and DS layouts, and across TP.
 
@@ -80,7 +82,7 @@ def convert(input_path: str, output_path: str, to: str | None, from_layout: str 
 
     opts = ConvertOptions(to=to, model=model, num_spec=num_spec, pattern=pattern,
                           from_layout=from_layout, tp_split=tp_split, tp_merge=tp_merge, force=force, device=device,
-                          checksum=not no_checksum, allow_network=allow_network)
+                          checksum=checksum, allow_network=allow_network)
     out = resolve_format(as_json, fmt)
     show = sys.stderr.isatty() if progress is None else progress
     with _progress(show, "checking" if check else "converting") as bar:
@@ -120,15 +122,15 @@ def _progress(show: bool, label: str) -> Iterator[Callable[[int, int], None] | N
         yield update
 
 
-def _short(sha: str | None) -> str:
-    return sha[:16] if sha else "-"
+def _short(checksum: str | None) -> str:
+    return checksum[:23] if checksum else "-"
 
 
 def _render(d: dict[str, Any]) -> Report:
     files = Table(title=f"{d['operation']}: conv layout {', '.join(d['layout_before']) or '-'} -> {d['layout_after']}",
-                  headers=["", "file", "conv layout", "TP", "rank", "size", "data sha256"],
+                  headers=["", "file", "conv layout", "TP", "rank", "size", "data checksum"],
                   rows=[[role, f["path"], f["conv_layout"] or "-", f["tp_size"], f["tp_rank"], fmt_bytes(f["bytes"]),
-                         _short(f["data_sha256"])] for role, key in (("in", "inputs"), ("out", "outputs"))
+                         _short(f["data_checksum"])] for role, key in (("in", "inputs"), ("out", "outputs"))
                         for f in d[key]])
     rows = [[t["name"], t["kind"], t["action"], t["dtype"], _shape(t["shape_in"]), _shape(t["shape_out"])]
             for t in d["tensors"][:_MAX_ROWS]]

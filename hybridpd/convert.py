@@ -15,24 +15,23 @@ transposes), ``convert_paths`` (INPUT/OUTPUT -> jobs).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from . import __version__
 from .convert_engine import DEFAULT_CHUNK, Engine, resolve_device
-from .convert_io import AtomicFile, Header, Source, Writer, read_header
+from .convert_io import AtomicFile, Checksum, Header, Source, Writer, new_checksum, read_header
 from .convert_paths import Job, layout_jobs, merge_jobs, split_jobs
 from .convert_plan import (
     CONV,
     DS,
     META_CONV_TENSORS,
     META_LAYOUT,
-    META_SOURCE_SHA,
+    META_SOURCE_CHECKSUM,
     META_SSM_TENSORS,
     META_STATE_LEN,
     META_TP_RANK,
@@ -48,12 +47,10 @@ from .convert_plan import (
     plan_merge,
     plan_split,
 )
-from .errors import UsageError
+from .errors import HybridPDError, UsageError
 
 __all__ = ["ConvertOptions", "ConvertSummary", "CheckResult", "Geometry", "convert", "check", "geometry_for",
            "DS", "SD"]
-
-_PLACEHOLDER = "0" * 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +65,7 @@ class ConvertOptions:
     tp_merge: bool = False
     force: bool = False
     device: str = "cpu"
-    checksum: bool = True
+    checksum: str = "crc32"  # crc32 | sha256 | none: of every input and output data section
     allow_network: bool = False
     chunk_bytes: int = DEFAULT_CHUNK
 
@@ -77,7 +74,7 @@ class ConvertOptions:
 class FileInfo:
     path: str
     bytes: int
-    data_sha256: str | None
+    data_checksum: str | None  # "<algo>:<hex>" of the data section (the bytes after the header)
     conv_layout: str | None
     tp_size: int | None
     tp_rank: int | None = None
@@ -113,7 +110,7 @@ class ConvertSummary:
             "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
             "seconds": round(self.seconds, 6),
             "bytes_per_second": int(self.bytes_read / self.seconds) if self.seconds > 0 else None,
-            "checksums": {f.path: f.data_sha256 for f in (*self.inputs, *self.outputs) if f.data_sha256},
+            "checksums": {f.path: f.data_checksum for f in (*self.inputs, *self.outputs) if f.data_checksum},
             "inputs": [f.to_dict() for f in self.inputs], "outputs": [f.to_dict() for f in self.outputs],
             "tensors": self.tensors, "notes": self.notes,
         }
@@ -215,8 +212,8 @@ def _out_metadata(src: Header, frs: Sequence[FileRoles], plan: StreamPlan, k: in
         if META_TP_RANK in src.metadata:
             meta[META_TP_RANK] = src.metadata[META_TP_RANK]
     meta[META_VERSION] = __version__
-    if opts.checksum:
-        meta[META_SOURCE_SHA] = ",".join([_PLACEHOLDER] * len(frs))
+    if opts.checksum != "none":
+        meta[META_SOURCE_CHECKSUM] = ",".join([Checksum.placeholder(opts.checksum)] * len(frs))
     return meta
 
 
@@ -249,11 +246,10 @@ def convert(input: str | Path, output: str | Path, opts: ConvertOptions,
     else:
         jobs = layout_jobs(str(input), str(output))
     planned = [(job, *_plan_job(job, opts, to)) for job in jobs]  # every error before any write
-    if not any(s.kind in (CONV, SSM) for *_, plan, _ in planned for s in plan.steps):
-        raise UsageError(f"no conv or SSM state found in {input} (pattern {opts.pattern or 'conv'!r})",
+    wanted = (CONV,) if op == "convert" else (CONV, SSM)
+    if not any(s.kind in wanted for *_, plan, _ in planned for s in plan.steps):
+        raise UsageError(f"no {' or '.join(wanted)} state found in {input} (pattern {opts.pattern or 'conv'!r})",
                          field="--pattern", fix="pass --pattern REGEX for the conv state names, or --model")
-    if op == "convert" and not any(s.kind == CONV for *_, plan, _ in planned for s in plan.steps):
-        raise UsageError(f"no conv state found in {input}", field="--pattern", fix="pass --pattern or --model")
     mkdirs = op != "convert" or Path(str(input)).is_dir()  # OUTPUT names a directory (or a template)
     _check_targets(jobs, opts.force, mkdirs=mkdirs)
     device = resolve_device(opts.device)
@@ -289,8 +285,6 @@ def _validated(opts: ConvertOptions) -> ConvertOptions:
     if opts.num_spec and opts.model is None and opts.geometry is None:
         raise UsageError("--num-speculative-tokens only matters with --model", field="--num-speculative-tokens",
                          fix="pass --model too")
-    from dataclasses import replace
-
     return replace(opts, from_layout=_layout_arg(opts.from_layout, "--from"))
 
 
@@ -299,7 +293,7 @@ def _run_job(job: Job, headers: list[Header], frs: list[FileRoles], plan: Stream
     sources = [Source(h) for h in headers]
     in_order = [t.name for t in headers[0].tensors]
     for s, h in zip(sources, headers, strict=True):  # a hash needs the file read in its own order
-        s.hasher = hashlib.sha256() if opts.checksum and [t.name for t in h.tensors] == in_order else None
+        s.hasher = new_checksum(opts.checksum) if [t.name for t in h.tensors] == in_order else None
     writers: list[Writer] = []
     try:
         for k, target in enumerate(job.targets):
@@ -307,25 +301,29 @@ def _run_job(job: Job, headers: list[Header], frs: list[FileRoles], plan: Stream
             writers.append(Writer(AtomicFile(target, force=opts.force), plan.out_entries(k), meta,
                                   checksum=opts.checksum))
         engine.run(plan, sources, writers)
-        digests = [s.hasher.hexdigest() if s.hasher else None for s in sources]
-        patch = {META_SOURCE_SHA: ",".join(d or _PLACEHOLDER for d in digests)} if opts.checksum else {}
+        digests = [s.hasher.value if s.hasher else None for s in sources]
+        none = Checksum.placeholder(opts.checksum) if opts.checksum != "none" else ""
+        patch = {META_SOURCE_CHECKSUM: ",".join(d or none for d in digests)} if none else {}
         out_digests = [w.finish(patch) for w in writers]
-    except BaseException:
+    except BaseException as e:
         for w in writers:
             w.abort()
+        if isinstance(e, OSError):  # disk full, permissions, a vanished file: a failure, not a bug
+            raise HybridPDError(f"I/O error while converting {job.sources[0]}: {e}", field="OUTPUT",
+                                fix="check free space and permissions; nothing was written under OUTPUT") from e
         raise
     finally:
         for s in sources:
             s.close()
     for s, fr, d in zip(sources, frs, digests, strict=True):
-        summary.inputs.append(FileInfo(path=str(s.header.path), bytes=s.header.file_size, data_sha256=d,
+        summary.inputs.append(FileInfo(path=str(s.header.path), bytes=s.header.file_size, data_checksum=d,
                                        conv_layout=",".join(fr.layouts) or None, tp_size=fr.tp,
                                        tp_rank=_int(s.header.metadata.get(META_TP_RANK))))
         summary.layouts_before.update(fr.layouts)
         summary.bytes_read += s.bytes_read
     for t, w, d in zip(job.targets, writers, out_digests, strict=True):
         meta = w.metadata
-        summary.outputs.append(FileInfo(path=str(t), bytes=t.stat().st_size, data_sha256=d,
+        summary.outputs.append(FileInfo(path=str(t), bytes=t.stat().st_size, data_checksum=d,
                                         conv_layout=meta.get(META_LAYOUT), tp_size=_int(meta.get(META_TP_SIZE)),
                                         tp_rank=_int(meta.get(META_TP_RANK))))
         summary.bytes_written += len(w.header) + w.bytes_written

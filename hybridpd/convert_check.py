@@ -127,8 +127,7 @@ def run_check(input: str | Path, output: str | Path, opts: ConvertOptions,
     for job, ref, tgts, fr, plan, maps in plans:
         src, targets = Source(ref), [Source(t) for t in tgts]
         try:
-            engine.run(plan, [src], [CompareSink(t, [s.outputs[k] for s in plan.steps])
-                                     for k, t in enumerate(targets)])
+            engine.run(plan, [src], [CompareSink(t) for t in targets])
         except Mismatch as e:
             result.mismatch = e.info
         finally:

@@ -15,6 +15,7 @@ by the next write to the same name.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import mmap
@@ -23,10 +24,11 @@ import re
 import secrets
 import struct
 import time
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 from .errors import HybridPDError, UsageError
 
@@ -41,6 +43,7 @@ DTYPE_BYTES: dict[str, int] = {
 STATE_DTYPES = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"})
 
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+CHECKSUMS = ("crc32", "sha256", "none")
 SLOW_WRITE_ENV = "HYBRIDPD_TEST_SLOW_WRITE"  # test hook: seconds to sleep after each tensor written
 _TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.hybridpd-tmp$")
 
@@ -76,6 +79,40 @@ class Header:
 
     def by_name(self) -> dict[str, TensorEntry]:
         return {t.name: t for t in self.tensors}
+
+
+class Checksum:
+    """Running checksum of a byte stream; ``value`` is ``"<algo>:<hex>"``, fixed length per algorithm.
+
+    crc32 (zlib) is the default: it catches corruption and truncation at a fraction of sha256's CPU cost,
+    which matters on small machines (two sha256 streams cost ~1.3 s of CPU per GB converted).  sha256 is
+    there for content identity.  Both release the GIL, so they run beside the transposes.
+    """
+
+    def __init__(self, algo: str) -> None:
+        if algo not in ("crc32", "sha256"):
+            raise UsageError(f"unknown checksum {algo!r}", field="--checksum", fix="use crc32, sha256 or none")
+        self.algo = algo
+        self._sha = hashlib.sha256() if algo == "sha256" else None
+        self._crc = 0
+
+    def update(self, data: memoryview | bytes) -> None:
+        if self._sha is not None:
+            self._sha.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+
+    @property
+    def value(self) -> str:
+        return f"sha256:{self._sha.hexdigest()}" if self._sha is not None else f"crc32:{self._crc:08x}"
+
+    @staticmethod
+    def placeholder(algo: str) -> str:
+        return f"{algo}:" + "0" * (64 if algo == "sha256" else 8)
+
+
+def new_checksum(algo: str) -> Checksum | None:
+    return None if algo == "none" else Checksum(algo)
 
 
 def _corrupt(path: Path, what: str) -> HybridPDError:
@@ -138,7 +175,7 @@ class Source:
     def __init__(self, header: Header) -> None:
         self.header = header
         self._fd = os.open(header.path, os.O_RDONLY)
-        self.hasher: hashlib._Hash | None = None
+        self.hasher: Checksum | None = None
         self.bytes_read = 0
 
     def close(self) -> None:
@@ -168,6 +205,7 @@ class Window:
     """One mmap window (copy-on-write, so nothing can reach the file) and a view of the asked range."""
 
     def __init__(self, fd: int, start: int, length: int) -> None:
+        self.fd, self.start, self.length = fd, start, length
         if length == 0:
             self._mm: mmap.mmap | None = None
             self.view = memoryview(b"")
@@ -223,24 +261,140 @@ def sweep_stale_temporaries(final: Path) -> list[Path]:
 
 
 class AtomicFile:
-    """Write ``final`` through a temporary file in the same directory; ``commit`` makes it appear whole."""
+    """Write ``final`` through a temporary file in the same directory; ``commit`` makes it appear whole.
 
-    def __init__(self, final: Path, *, force: bool) -> None:
+    Bytes are appended with ``write``/``copy``.  Where the filesystem allows it they go to disk with
+    O_DIRECT through a page-aligned staging buffer: no copy into the page cache, which costs more CPU
+    than the conversion itself on small machines (buffered writes ran at ~0.5 GB/s on a 2-core VM,
+    O_DIRECT at ~1.4 GB/s), and the output does not crowd the page cache.  Elsewhere (tmpfs, macOS,
+    ``direct=False``) writes are buffered and unchanged tensors use in-kernel ``copy_file_range``.
+    """
+
+    ALIGN = 4096
+    STAGE = 8 << 20
+
+    def __init__(self, final: Path, *, force: bool, direct: bool = True) -> None:
         self.final = final
         self.force = force
         sweep_stale_temporaries(final)
         self.tmp = final.parent / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.hybridpd-tmp"
         try:
-            fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except OSError as e:
             raise UsageError(f"cannot create a file in {final.parent}: {e.strerror}", field="OUTPUT",
                              fix="choose a writable OUTPUT directory") from None
-        self.file: IO[bytes] = os.fdopen(fd, "wb", buffering=0)
+        self._direct: int | None = None
+        if direct and hasattr(os, "O_DIRECT"):
+            with contextlib.suppress(OSError):
+                self._direct = os.open(self.tmp, os.O_WRONLY | os.O_DIRECT)
+        # two staging buffers: one fills while a flusher thread writes the other (the disk wait overlaps)
+        self._stages = [mmap.mmap(-1, self.STAGE) for _ in range(2)] if self._direct is not None else []
+        self._cur = 0
+        self._fill = 0  # bytes staged in the current buffer
+        self._pos = 0  # file offset of the current buffer's first byte (everything before is written/in flight)
+        self._flusher: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+
+    def _pwrite(self, fd: int, data: memoryview, offset: int) -> None:
+        while data.nbytes:
+            n = os.pwrite(fd, data, offset)
+            data, offset = data[n:], offset + n
+
+    def _flush(self, stage: mmap.mmap, n: int, offset: int) -> None:
+        """Write the first ``n`` bytes of ``stage`` at ``offset``: O_DIRECT when aligned, else buffered."""
+        view = memoryview(stage)[:n]
+        try:
+            if self._direct is not None and n % self.ALIGN == 0:
+                try:
+                    self._pwrite(self._direct, view, offset)
+                    return
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    os.close(self._direct)  # the filesystem refuses O_DIRECT after all: buffered from here
+                    self._direct = None
+            self._pwrite(self.fd, view, offset)
+        finally:
+            view.release()
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def write(self, data: memoryview | bytes) -> None:
+        mv = memoryview(data).cast("B") if isinstance(data, memoryview) and data.format != "B" else memoryview(data)
+        if not self._stages:
+            self._pwrite(self.fd, mv, self._pos)
+            self._pos += mv.nbytes
+            return
+        done, n = 0, mv.nbytes
+        while done < n:
+            stage = self._stages[self._cur]
+            k = min(self.STAGE - self._fill, n - done)
+            stage[self._fill:self._fill + k] = mv[done:done + k]
+            self._fill += k
+            done += k
+            if self._fill == self.STAGE:
+                self._wait()  # the other buffer's write is done: it is free
+                if self._flusher is None:
+                    self._flusher = ThreadPoolExecutor(1, thread_name_prefix="hybridpd-flush")
+                self._pending = self._flusher.submit(self._flush, stage, self.STAGE, self._pos)
+                self._cur, self._fill, self._pos = 1 - self._cur, 0, self._pos + self.STAGE
+
+    def copy(self, fd: int, offset: int, view: memoryview) -> None:
+        """Append ``view``, which is bytes [offset, offset+len) of file ``fd``: in-kernel when buffered."""
+        left = view.nbytes
+        if not self._stages:
+            with contextlib.suppress(AttributeError, OSError):  # no copy_file_range: plain writes below
+                while left:
+                    k = os.copy_file_range(fd, self.fd, left, offset, self._pos)
+                    if k == 0:
+                        break
+                    offset, left, self._pos = offset + k, left - k, self._pos + k
+        if left:
+            self.write(view[view.nbytes - left:])
+
+    def pwrite(self, data: bytes, offset: int) -> None:
+        """Overwrite bytes already written (the header's placeholders); call after the last ``write``."""
+        self._finish()
+        self._pwrite(self.fd, memoryview(data), offset)
+
+    def _finish(self) -> None:
+        self._wait()
+        if self._stages and self._fill:
+            stage, fill = self._stages[self._cur], self._fill
+            aligned = fill - fill % self.ALIGN
+            if aligned:
+                self._flush(stage, aligned, self._pos)
+            if fill > aligned:  # the unaligned tail goes through the page cache
+                with memoryview(stage) as mv:
+                    self._pwrite(self.fd, mv[aligned:fill], self._pos + aligned)
+            self._pos += fill
+            self._fill = 0
+
+    def _close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._wait()
+        if self._flusher is not None:
+            self._flusher.shutdown()
+            self._flusher = None
+        for fd in (self._direct, self.fd):
+            if fd is not None and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._direct, self.fd = None, -1  # closed: a second _close must not close a reused fd number
+        for stage in self._stages:
+            with contextlib.suppress(BufferError):  # a traceback may still hold a view; GC unmaps it
+                stage.close()
+        self._stages = []
 
     def commit(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        try:
+            self._finish()
+            os.fsync(self.fd)
+        finally:
+            self._close()
         if self.force:
             os.replace(self.tmp, self.final)
         else:
@@ -265,8 +419,7 @@ class AtomicFile:
                 os.close(dfd)
 
     def abort(self) -> None:
-        with contextlib.suppress(OSError):
-            self.file.close()
+        self._close()
         with contextlib.suppress(OSError):
             self.tmp.unlink()
 
@@ -279,13 +432,13 @@ class Writer:
     """
 
     def __init__(self, out: AtomicFile, entries: Sequence[tuple[str, str, Sequence[int], int]],
-                 metadata: Mapping[str, str], *, checksum: bool) -> None:
+                 metadata: Mapping[str, str], *, checksum: str) -> None:
         self.out = out
         self.entries = list(entries)
         self.metadata = dict(metadata)
         self.header = build_header(self.entries, self.metadata)
-        self.out.file.write(self.header)
-        self.hasher = hashlib.sha256() if checksum else None
+        self.out.write(self.header)
+        self.hasher = new_checksum(checksum)
         self.bytes_written = 0
         self._index = -1
         self._left = 0
@@ -306,7 +459,18 @@ class Writer:
         self._left -= n
         if self.hasher is not None:
             self.hasher.update(data)
-        self.out.file.write(data)
+        self.out.write(data)
+        self.bytes_written += n
+
+    def copy(self, window: Window) -> None:
+        """Write a source window's bytes unchanged (in-kernel copy where the output is buffered)."""
+        n = window.length
+        if n > self._left:  # pragma: no cover - engine bug guard
+            raise AssertionError("tensor overflow")
+        if self.hasher is not None:
+            self.hasher.update(window.view)
+        self.out.copy(window.fd, window.start, window.view)
+        self._left -= n
         self.bytes_written += n
 
     def _end_tensor(self) -> None:
@@ -316,7 +480,7 @@ class Writer:
             time.sleep(self._slow)
 
     def finish(self, patch: Mapping[str, str]) -> str | None:
-        """Close the last tensor, patch placeholders, commit atomically; returns the data sha256."""
+        """Close the last tensor, patch placeholders, commit atomically; returns the data checksum."""
         self._end_tensor()
         if self._index != len(self.entries) - 1:  # pragma: no cover
             raise AssertionError("not every tensor was written")
@@ -325,9 +489,9 @@ class Writer:
             header = build_header(self.entries, meta)
             if len(header) != len(self.header):  # pragma: no cover - placeholders are fixed-length
                 raise AssertionError("patched header changed length")
-            os.pwrite(self.out.file.fileno(), header, 0)
+            self.out.pwrite(header, 0)
         self.out.commit()
-        return self.hasher.hexdigest() if self.hasher is not None else None
+        return self.hasher.value if self.hasher is not None else None
 
     def abort(self) -> None:
         self.out.abort()

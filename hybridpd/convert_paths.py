@@ -66,9 +66,9 @@ def layout_jobs(inp: str, out: str) -> list[Job]:
     if src.is_file():
         target = dst / src.name if dst.is_dir() else dst
         return [Job(sources=(src,), targets=(target,))]
-    if dst.exists() and not dst.is_dir():
-        raise UsageError(f"INPUT is a directory but OUTPUT {dst} is a file", field="OUTPUT",
-                         fix="pass a directory as OUTPUT")
+    if (dst.exists() and not dst.is_dir()) or (not dst.exists() and dst.name.endswith(SUFFIX)):
+        raise UsageError(f"INPUT is a directory but OUTPUT {dst} names a file", field="OUTPUT",
+                         fix="pass a directory as OUTPUT (or --tp-merge to merge shards into one file)")
     return [Job(sources=(f,), targets=(dst / f.name,)) for f in _files(src)]
 
 
@@ -78,9 +78,9 @@ def split_jobs(inp: str, out: str, n: int) -> list[Job]:
     if _is_template(out) and len(files) > 1 and "{stem}" not in out:
         raise UsageError("several INPUT files need {stem} in the OUTPUT template", field="OUTPUT",
                          fix="e.g. shards/{stem}.rank{rank}.safetensors, or pass a directory")
-    if not _is_template(out) and Path(out).is_file():
-        raise UsageError(f"--tp-split writes {n} files; OUTPUT {out} is a file", field="OUTPUT",
-                         fix="pass a directory or a template holding {rank}")
+    if not _is_template(out) and (Path(out).is_file() or (not Path(out).exists() and out.endswith(SUFFIX))):
+        raise UsageError(f"--tp-split writes {n} files; OUTPUT {out} names one file", field="OUTPUT",
+                         fix="pass a directory, or a template holding {rank} (e.g. state.rank{rank}.safetensors)")
     jobs = []
     for f in files:
         stem = _stem(f)
@@ -93,16 +93,18 @@ def split_jobs(inp: str, out: str, n: int) -> list[Job]:
 def shard_sets(inp: str) -> list[tuple[str, tuple[Path, ...]]]:
     """(stem, shards in rank order) for a ``{rank}`` template or a directory of shards."""
     if _is_template(inp):
+        if "{stem}" in inp:
+            raise UsageError("a --tp-merge INPUT template takes {rank} (and {tp}), not {stem}", field="INPUT",
+                             fix="e.g. shards/state.rank{rank}-of-{tp}.safetensors")
+        tps = [t for t in range(2, 1025) if _template(inp, rank=0, tp=t, stem="").exists()] if "{tp}" in inp else [0]
         found: list[Path] = []
-        while True:
-            p = _template(inp, rank=len(found), tp=0, stem="") if "{tp}" not in inp else None
-            if p is None:
-                raise UsageError("a --tp-merge INPUT template may hold only {rank}", field="INPUT")
-            if not p.exists():
-                break
+        while len(tps) == 1 and (p := _template(inp, rank=len(found), tp=tps[0], stem="")).exists():
             found.append(p)
-        if not found:
-            raise UsageError(f"no shard matches {inp} (rank 0 missing)", field="INPUT", fix="check the template")
+            if len(found) == tps[0]:
+                break
+        if len(tps) != 1 or not found or (tps[0] and len(found) != tps[0]):
+            raise UsageError(f"no complete shard set matches {inp} (found {len(found)} shards)", field="INPUT",
+                             fix="check the template; every rank 0..N-1 must exist")
         return [(_stem(found[0]).replace(".rank0", ""), tuple(found))]
     d = _existing(inp)
     if not d.is_dir():

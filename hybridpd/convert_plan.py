@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 from math import prod
 
@@ -39,7 +39,7 @@ META_SSM_TENSORS = "hybridpd.ssm_tensors"  # JSON list: names of the SSM states
 META_DIMS = "hybridpd.mamba_dims"  # JSON MambaDims: lets merge/check work without --model
 META_NUM_SPEC = "hybridpd.num_speculative_tokens"
 META_MODEL = "hybridpd.model"  # --model as given, when given
-META_SOURCE_SHA = "hybridpd.source_data_sha256"  # sha256 of each source's data section, comma-joined
+META_SOURCE_CHECKSUM = "hybridpd.source_checksum"  # "<algo>:<hex>" of each source's data section, comma-joined
 META_VERSION = "hybridpd.version"
 
 Run = tuple[int, int]  # [start, stop) channel run
@@ -151,9 +151,6 @@ class FileRoles:
     @property
     def layouts(self) -> tuple[str, ...]:
         return tuple(sorted({r.layout for r in self.roles.values() if r.layout}))
-
-    def names(self, kind: str) -> list[str]:
-        return [t.name for t in self.header.tensors if self.roles[t.name].kind == kind]
 
 
 def _err(entry: TensorEntry, header: Header, msg: str, fix: str, fld: str = "--model") -> UsageError:
@@ -297,14 +294,13 @@ class StreamPlan:
     op: str
     steps: tuple[Step, ...]
     n_out: int
-    notes: tuple[str, ...] = field(default=())
 
     def out_entries(self, i: int) -> list[tuple[str, str, tuple[int, ...], int]]:
         return [(s.outputs[i].name, s.dtype, s.outputs[i].shape, s.outputs[i].nbytes) for s in self.steps]
 
 
-def _shape(lead: tuple[int, ...], channels: int, length: int, layout: str | None, tail: tuple[int, ...]) -> tuple[
-        int, ...]:
+def _shape(lead: tuple[int, ...], channels: int, length: int, layout: str | None,
+           tail: tuple[int, ...]) -> tuple[int, ...]:
     if layout == SD:
         return (*lead, length, channels)
     if layout == DS:
@@ -425,8 +421,9 @@ def plan_merge(shards: Sequence[FileRoles], to: str, geo: Geometry | None) -> St
             raise UsageError(f"shard {k} ({fr.header.path.name}) holds different tensors than shard 0",
                              field="INPUT", fix="pass the shards of one state")
     steps = []
+    by_name = [fr.header.by_name() for fr in shards]
     for e0 in first.header.tensors:
-        entries = [fr.header.by_name()[e0.name] for fr in shards]
+        entries = [m[e0.name] for m in by_name]
         roles = [fr.roles[e0.name] for fr in shards]
         kinds = {r.kind for r in roles}
         if len(kinds) > 1 or any(e.dtype != e0.dtype for e in entries):

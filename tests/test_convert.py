@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -16,6 +17,7 @@ from test_convert_support import (
     NEMOH,
     bits,
     conv_ds,
+    data_crc,
     data_sha,
     file_sha,
     geo,
@@ -31,7 +33,7 @@ from test_convert_support import (
 
 from hybridpd.convert import ConvertOptions, check, convert
 from hybridpd.convert_io import AtomicFile, Writer, read_header
-from hybridpd.errors import ExternalToolError, UsageError
+from hybridpd.errors import ExternalToolError, HybridPDError, UsageError
 
 # TP1 conv dim of the tiny models: 256 x channels + 2 * n_groups * 16 (B, C); state_len 3.
 NEMOH_DIM, GRANITE_DIM, L = 256 + 2 * 2 * 16, 256 + 2 * 16, 3
@@ -63,7 +65,7 @@ def test_writer_output_loads_with_safetensors(tmp_path: Path, dtype: torch.dtype
           torch.float64: "F64"}[dtype]
     nb = t.numel() * t.element_size()
     w = Writer(AtomicFile(tmp_path / "w.safetensors", force=False), [("a", dt, t.shape, nb), ("b", "U8", (0,), 0)],
-               {"k": "v"}, checksum=True)
+               {"k": "v"}, checksum="sha256")
     w.begin("a")
     w.write(memoryview(bits(t).numpy()))
     w.begin("b")
@@ -73,6 +75,68 @@ def test_writer_output_loads_with_safetensors(tmp_path: Path, dtype: torch.dtype
     assert meta(tmp_path / "w.safetensors") == {"k": "v"}
     (n,) = struct.unpack("<Q", (tmp_path / "w.safetensors").read_bytes()[:8])
     assert (8 + n) % 8 == 0  # data section aligned like safetensors' own writer
+
+
+@pytest.mark.parametrize("mode", ["direct-small-stage", "buffered", "einval-fallback"])
+def test_output_paths_write_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """O_DIRECT staging (flushed many times), plain buffered writes and the fallback all agree."""
+    src = tmp_path / "a.safetensors"
+    state_file(src, dim=GRANITE_DIM)
+    convert(src, tmp_path / "ref", ConvertOptions(to="DS", geometry=geo(GRANITE), tp_split=2))
+    monkeypatch.setattr(AtomicFile, "STAGE", 8192)
+    if mode == "buffered":
+        monkeypatch.setattr(os, "O_DIRECT", 0, raising=False)
+        monkeypatch.delattr(os, "O_DIRECT")
+    if mode == "einval-fallback":
+        real = os.pwrite
+        direct_fds: set[int] = set()
+        refused: list[int] = []
+
+        def pwrite(fd: int, data: object, offset: int) -> int:
+            if fd in direct_fds:
+                refused.append(fd)
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real(fd, data, offset)  # type: ignore[arg-type]
+
+        real_open = os.open
+
+        def open_(path: object, flags: int, *a: object) -> int:
+            fd = real_open(path, flags, *a)  # type: ignore[arg-type]
+            if flags & getattr(os, "O_DIRECT", 0):
+                direct_fds.add(fd)
+            return fd
+
+        real_close = os.close
+
+        def close(fd: int) -> None:
+            direct_fds.discard(fd)
+            real_close(fd)
+
+        monkeypatch.setattr(os, "pwrite", pwrite)
+        monkeypatch.setattr(os, "open", open_)
+        monkeypatch.setattr(os, "close", close)
+    convert(src, tmp_path / "out", ConvertOptions(to="DS", geometry=geo(GRANITE), tp_split=2))
+    for r in range(2):
+        name = f"a.rank{r}-of-2.safetensors"
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
+    convert(tmp_path / "out", tmp_path / "m.safetensors", ConvertOptions(to="SD", tp_merge=True))
+    assert data_sha(tmp_path / "m.safetensors") == data_sha(src)
+    if mode == "einval-fallback":
+        assert refused  # O_DIRECT was tried, refused, and the writer fell back
+
+
+def test_disk_full_is_a_clean_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "a.safetensors"
+    state_file(src)
+
+    def full(*a: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(HybridPDError, match="No space left") as e:
+        convert(src, tmp_path / "o.safetensors", ConvertOptions(to="DS", geometry=geo(NEMOH)))
+    assert e.value.exit_code == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]  # no output, no temporary
 
 
 def test_read_header_rejects_corrupt_files(tmp_path: Path) -> None:
@@ -107,13 +171,29 @@ def test_sd_to_ds_with_model(tmp_path: Path, dtype: torch.dtype) -> None:
     assert json.loads(m["hybridpd.conv_tensors"]) == ["model.layers.0.mixer.conv_state",
                                                       "model.layers.2.mixer.conv_state", "stacked_conv_states"]
     assert json.loads(m["hybridpd.ssm_tensors"]) == ["model.layers.0.mixer.ssm_state"]
-    assert m["hybridpd.source_data_sha256"] == data_sha(src)
+    assert m["hybridpd.source_checksum"] == "crc32:" + data_crc(src)  # the default checksum
     d = s.to_dict()
     assert d["tensors_converted"] == 3 and d["conv_tensors"] == 3 and d["ssm_tensors"] == 1
     assert d["layout_before"] == ["SD"] and d["layout_after"] == "DS"
-    assert d["checksums"] == {str(src): data_sha(src), str(tmp_path / "ds.safetensors"): data_sha(tmp_path /
-                                                                                                    "ds.safetensors")}
+    assert d["checksums"] == {str(src): "crc32:" + data_crc(src),
+                              str(tmp_path / "ds.safetensors"): "crc32:" + data_crc(tmp_path / "ds.safetensors")}
     assert d["bytes_read"] == read_header(src).data_bytes
+
+
+@pytest.mark.parametrize("algo", ["crc32", "sha256", "none"])
+def test_checksum_algorithms(tmp_path: Path, algo: str) -> None:
+    src = tmp_path / "a.safetensors"
+    state_file(src)
+    out = tmp_path / "o.safetensors"
+    d = convert(src, out, ConvertOptions(to="DS", geometry=geo(NEMOH), checksum=algo)).to_dict()
+    want = {"crc32": lambda p: "crc32:" + data_crc(p), "sha256": lambda p: "sha256:" + data_sha(p)}.get(algo)
+    if want is None:
+        assert d["checksums"] == {} and "hybridpd.source_checksum" not in meta(out)
+    else:
+        assert d["checksums"] == {str(src): want(src), str(out): want(out)}
+        assert meta(out)["hybridpd.source_checksum"] == want(src)
+    with pytest.raises(UsageError, match="crc32, sha256 or none"):
+        convert(src, tmp_path / "x.safetensors", ConvertOptions(to="DS", geometry=geo(NEMOH), checksum="md5"))
 
 
 def test_round_trip_is_bit_identical_and_reuses_recorded_metadata(tmp_path: Path) -> None:
@@ -238,6 +318,17 @@ def test_directory_in_directory_out(tmp_path: Path) -> None:
     assert same_bits(got["stacked_conv_states"], a["stacked_conv_states"].transpose(-1, -2).contiguous())
 
 
+def test_output_that_names_a_file_for_many_outputs_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    state_file(tmp_path / "in" / "a.safetensors")
+    with pytest.raises(UsageError, match="names a file"):
+        convert(tmp_path / "in", tmp_path / "o.safetensors", ConvertOptions(to="DS", geometry=geo(NEMOH)))
+    with pytest.raises(UsageError, match="names one file"):
+        convert(tmp_path / "in" / "a.safetensors", tmp_path / "o.safetensors",
+                ConvertOptions(to="DS", geometry=geo(NEMOH), tp_split=2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
 def test_small_chunks_stream_the_same_bytes(tmp_path: Path) -> None:
     src = tmp_path / "a.safetensors"
     state_file(src, dtype=torch.float8_e5m2)
@@ -261,7 +352,8 @@ def test_split_matches_vllm_sharding_and_merge_inverts_it(tmp_path: Path, dims: 
                                                           to: str) -> None:
     src = tmp_path / "full.safetensors"
     t = state_file(src, dim=dim)
-    s = convert(src, tmp_path / "shards", ConvertOptions(to=to, geometry=geo(dims), tp_split=tp)).to_dict()  # type: ignore[arg-type]
+    opts = ConvertOptions(to=to, geometry=geo(dims), tp_split=tp)  # type: ignore[arg-type]
+    s = convert(src, tmp_path / "shards", opts).to_dict()
     assert [o["tp_rank"] for o in s["outputs"]] == list(range(tp)) and {o["tp_size"] for o in s["outputs"]} == {tp}
     for r in range(tp):
         shard = load(tmp_path / "shards" / f"full.rank{r}-of-{tp}.safetensors")
@@ -337,9 +429,12 @@ def test_rank_templates(tmp_path: Path) -> None:
     convert(src, str(tmp_path / "r{rank}of{tp}.safetensors"), ConvertOptions(to="DS", geometry=geo(NEMOH),
                                                                               tp_split=2))
     assert (tmp_path / "r1of2.safetensors").exists()
-    convert(str(tmp_path / "r{rank}of2.safetensors"), tmp_path / "m.safetensors",
-            ConvertOptions(to="SD", tp_merge=True))
-    assert all(same_bits(load(tmp_path / "m.safetensors")[k], t[k]) for k in t)
+    for i, template in enumerate(("r{rank}of2.safetensors", "r{rank}of{tp}.safetensors")):
+        convert(str(tmp_path / template), tmp_path / f"m{i}.safetensors", ConvertOptions(to="SD", tp_merge=True))
+        assert all(same_bits(load(tmp_path / f"m{i}.safetensors")[k], t[k]) for k in t)
+    with pytest.raises(UsageError, match="no complete shard set"):
+        convert(str(tmp_path / "r{rank}of3.safetensors"), tmp_path / "x.safetensors",
+                ConvertOptions(to="SD", tp_merge=True))
 
 
 # --- check --------------------------------------------------------------------------------------

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from hybridpd_cli.main import main
-from test_convert_support import data_sha, load, meta, rand, save
+from test_convert_support import data_crc, data_sha, load, meta, rand, save
 
 SUMMARY_KEYS = {"operation", "ok", "to", "layout_before", "layout_after", "model", "device", "tensors_total",
                 "tensors_converted", "conv_tensors", "ssm_tensors", "bytes_read", "bytes_written", "seconds",
                 "bytes_per_second", "checksums", "inputs", "outputs", "tensors", "notes"}
-FILE_KEYS = {"path", "bytes", "data_sha256", "conv_layout", "tp_size", "tp_rank"}
+FILE_KEYS = {"path", "bytes", "data_checksum", "conv_layout", "tp_size", "tp_rank"}
 TENSOR_KEYS = {"file", "name", "kind", "action", "dtype", "shape_in", "shape_out", "layout_in", "layout_out",
                "recognised_by", "note"}
 
@@ -57,13 +57,16 @@ def test_json_summary_has_stable_keys(capsys: pytest.CaptureFixture[str], tmp_pa
     assert all(set(t) == TENSOR_KEYS for t in d["tensors"])
     assert (d["operation"], d["ok"], d["layout_before"], d["layout_after"]) == ("convert", True, ["SD"], "DS")
     assert (d["tensors_total"], d["tensors_converted"], d["conv_tensors"], d["ssm_tensors"]) == (3, 1, 1, 1)
-    assert d["checksums"][str(state)] == data_sha(state)
+    assert d["checksums"][str(state)] == "crc32:" + data_crc(state)
     assert isinstance(d["bytes_read"], int) and d["bytes_read"] > 0
     code, out, _ = cli(capsys, str(tmp_path / "ds.safetensors"), str(tmp_path / "shards"), "--to", "DS",
                        "--tp-split", "2", "--json")  # dims come from the metadata the first run recorded
     assert code == 0
     d = json.loads(out)
     assert d["operation"] == "tp-split" and [o["tp_rank"] for o in d["outputs"]] == [0, 1]
+    code, out, _ = cli(capsys, str(state), str(tmp_path / "sha.safetensors"), "--to", "DS", "--from", "SD",
+                       "--checksum", "sha256", "--json")
+    assert code == 0 and json.loads(out)["checksums"][str(state)] == "sha256:" + data_sha(state)
 
 
 def test_human_output_and_notes(capsys: pytest.CaptureFixture[str], tmp_path: Path, state: Path) -> None:
@@ -84,9 +87,9 @@ def test_human_output_and_notes(capsys: pytest.CaptureFixture[str], tmp_path: Pa
 ])
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path, state: Path, args: list[str],
                              needle: str) -> None:
-    code, out, err = cli(capsys, str(state), str(tmp_path / "o.safetensors"), *args)
+    code, out, err = cli(capsys, str(state), str(tmp_path / "out"), *args)
     assert code == 2 and out == "" and needle in err, err
-    assert not (tmp_path / "o.safetensors").exists()
+    assert not (tmp_path / "out").exists()
 
 
 def test_existing_output_needs_force(capsys: pytest.CaptureFixture[str], tmp_path: Path, state: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,12 @@ def data_sha(path: Path) -> str:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     return hashlib.sha256(raw[8 + n:]).hexdigest()
+
+
+def data_crc(path: Path) -> str:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return f"{zlib.crc32(raw[8 + n:]):08x}"
 
 
 def header(path: Path) -> dict[str, Any]:
