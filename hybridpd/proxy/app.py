@@ -354,29 +354,37 @@ class ProxyState:
 
     # ----------------------------------------------------------------- legs
 
-    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-        cfg = self.config
+    async def _unary_leg(
+        self, pool: BackendPool, leg: str, path: str, body: dict[str, Any], headers: dict[str, str], total_s: float
+    ) -> tuple[Backend, aiohttp.ClientResponse, bytes]:
+        """One non-streamed upstream call: pick a backend, check the status, read the whole body, time it."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        timeout = aiohttp.ClientTimeout(total=cfg.prefill_timeout_s, sock_connect=cfg.connect_timeout_s)
-        backend, resp = await self._open(self.prefill, path, _dumps(body), headers, timeout, None)
+        timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=self.config.connect_timeout_s)
+        backend, resp = await self._open(pool, path, _dumps(body), headers, timeout, None)
         try:
             await self._check_status(backend, resp)
             raw = await resp.read()
         except asyncio.TimeoutError:
-            raise self._timeout_error("prefill", backend, first_byte=False) from None
+            raise self._timeout_error(leg, backend, first_byte=False) from None
         except aiohttp.ClientError as exc:
-            self.metrics.upstream_errors.labels("prefill", "disconnect").inc()
+            self.metrics.upstream_errors.labels(leg, "disconnect").inc()
             raise ProxyError(
                 502,
-                f"prefill backend {backend.url} connection failed mid-answer: {type(exc).__name__}: {exc}",
+                f"{leg} backend {backend.url} connection failed mid-answer: {type(exc).__name__}: {exc}",
                 type=UPSTREAM,
-                code="prefill_connection_error",
+                code=f"{leg}_connection_error",
             ) from None
         finally:
             resp.release()
-            self.prefill.release(backend)
-        self.metrics.leg_duration.labels("prefill", backend.url).observe(loop.time() - t0)
+            pool.release(backend)
+        self.metrics.leg_duration.labels(leg, backend.url).observe(loop.time() - t0)
+        return backend, resp, raw
+
+    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+        backend, resp, raw = await self._unary_leg(
+            self.prefill, "prefill", path, body, headers, self.config.prefill_timeout_s
+        )
         try:
             parsed = json.loads(raw)
         except ValueError:
@@ -397,28 +405,7 @@ class ProxyState:
     async def _decode_unary(
         self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
     ) -> web.Response:
-        cfg = self.config
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        timeout = aiohttp.ClientTimeout(total=cfg.decode_timeout_s, sock_connect=cfg.connect_timeout_s)
-        backend, resp = await self._open(self.decode, path, _dumps(body), headers, timeout, None)
-        try:
-            await self._check_status(backend, resp)
-            raw = await resp.read()
-        except asyncio.TimeoutError:
-            raise self._timeout_error("decode", backend, first_byte=False) from None
-        except aiohttp.ClientError as exc:
-            self.metrics.upstream_errors.labels("decode", "disconnect").inc()
-            raise ProxyError(
-                502,
-                f"decode backend {backend.url} connection failed mid-answer: {type(exc).__name__}: {exc}",
-                type=UPSTREAM,
-                code="decode_connection_error",
-            ) from None
-        finally:
-            resp.release()
-            self.decode.release(backend)
-        self.metrics.leg_duration.labels("decode", backend.url).observe(loop.time() - t0)
+        _, resp, raw = await self._unary_leg(self.decode, "decode", path, body, headers, self.config.decode_timeout_s)
         return web.Response(
             status=resp.status,
             body=raw,

@@ -122,6 +122,13 @@ class _Base:
             {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": f"fake-{self.role}"}]}
         )
 
+    async def _intake(self, request: web.Request) -> tuple[dict[str, Any], str]:
+        """Parse the JSON body, note the X-Request-Id, and record what arrived."""
+        body = await request.json()
+        if self.record:
+            self.received.append(Seen(request.path, body, CIMultiDict(request.headers)))
+        return body, request.headers.get("X-Request-Id", "")
+
     def _violation(self, message: str) -> web.Response:
         self.violations.append(message)
         return web.json_response(
@@ -148,10 +155,7 @@ class FakePrefill(_Base):
     role: str = "prefill"
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        rid = request.headers.get("X-Request-Id", "")
-        if self.record:
-            self.received.append(Seen(request.path, body, CIMultiDict(request.headers)))
+        body, rid = await self._intake(request)
         problems = []
         if not rid:
             problems.append("no X-Request-Id")
@@ -247,10 +251,7 @@ class FakeDecode(_Base):
     role: str = "decode"
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        rid = request.headers.get("X-Request-Id", "")
-        if self.record:
-            self.received.append(Seen(request.path, body, CIMultiDict(request.headers)))
+        body, rid = await self._intake(request)
         kv = body.get("kv_transfer_params")
         if kv is None:
             if self.strict:
