@@ -83,6 +83,11 @@ def _side_rows(p: dict[str, Any], d: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
+def sp(v: list[int] | None) -> str:
+    """A byte span as offset+length."""
+    return f"{v[0]}+{v[1]}" if v else "-"
+
+
 def render(data: dict[str, Any]) -> Report:
     m = data["model"]
     p, d = data["prefill"], data["decode"]
@@ -113,8 +118,6 @@ def render(data: dict[str, Any]) -> Report:
         rows = []
         for r in data["conv_offsets"]:
             for s in r["sources"]:
-                def sp(v: Any) -> str:
-                    return f"{v[0]}+{v[1]}" if v else "-"
                 rows.append([r["rank"], s["p_rank"], sp(s["fa"]), sp(s["x"]), sp(s["B"]), sp(s["C"]), sp(s["ssm"])])
         rep.tables.append(Table(title="Per D rank reads (offset+length in P's page)",
                                 headers=["D rank", "P rank", "FA", "x", "B", "C", "SSM"], rows=rows))

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .errors import UsageError
 from .layout import SideLayout
 from .semantics import OUTSIDE_CONV, check_conv
 from .transfer import RankRoute
@@ -294,7 +293,3 @@ def block_reason(ctx: Context) -> Iterator[Finding]:
                               f"{p.padding_pct:.2f}% / {d.padding_pct:.2f}%)",
                       fix="nothing to do; a larger --block-size only adds padding")
 
-
-def check_tp(tp: int, *, field: str) -> None:
-    if tp < 1:
-        raise UsageError(f"must be >= 1, got {tp}", field=field)

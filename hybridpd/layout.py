@@ -249,8 +249,8 @@ def side_layout(model: ModelSpec, s: EngineSettings, profile: VllmProfile, platf
         kv_heads_replicated=bool(attn and s.tp > attn.num_kv_heads), attn_bytes_per_token=a1,
         kernel_sizes=ks, block_size=block, block_reasons=tuple(reasons), kernel_block_size=kernel,
         physical_per_logical=ratio, page_size_bytes=page, mamba_page_bytes=mamba_page, padding_bytes=padding,
-        groups=groups, num_shared_tensors=group_size, prefix_caching=bool(prefix and model.has_mamba) or
-        (bool(prefix) and not model.has_mamba), mamba_cache_mode=mode, num_blocks=num_blocks,
+        groups=groups, num_shared_tensors=group_size, prefix_caching=bool(prefix),
+        mamba_cache_mode=mode, num_blocks=num_blocks,
         num_blocks_reason=nb_reason, errors=tuple(errors))
 
 

@@ -38,22 +38,23 @@ class Plan:
         return request_transfer(self.prefill, self.decode, self.routes, isl)
 
 
-def recommended_block(model: ModelSpec, p: EngineSettings, d: EngineSettings, profile: VllmProfile,
-                      platform: PlatformProfile) -> int | None:
-    """Smallest --block-size that both sides keep unchanged (so P and D blocks are equal)."""
-    lp = side_layout(model, p, profile, platform, role="prefill")
-    ld = side_layout(model, d, profile, platform, role="decode")
+def sides_agree(a: SideLayout, b: SideLayout) -> bool:
+    """P and D share one logical and kernel block, and (0.20) neither side's derived remote ratio is wrong."""
+    ratio_ok = not a.profile.derives_remote_ratio or all(
+        s.derived_ratio_v020 in (None, s.physical_per_logical) for s in (a, b))
+    return a.block_size == b.block_size and a.kernel_block_size == b.kernel_block_size and ratio_ok
+
+
+def recommended_block(model: ModelSpec, lp: SideLayout, ld: SideLayout) -> int | None:
+    """Smallest --block-size that both sides keep unchanged, so that ``sides_agree`` holds."""
     if not lp.attention_groups:
         return None
-    base = max(lp.block_size, ld.block_size)
     step = max(lp.kernel_sizes.min_base if lp.kernel_sizes else 16, 16)
-    cand = step * -(-base // step)
+    cand = step * -(-max(lp.block_size, ld.block_size) // step)
     for _ in range(64):
-        a = side_layout(model, replace(p, block_size=cand), profile, platform, role="prefill")
-        b = side_layout(model, replace(d, block_size=cand), profile, platform, role="decode")
-        if a.block_size == b.block_size == cand and a.kernel_block_size == b.kernel_block_size and not (
-                profile.derives_remote_ratio and (a.derived_ratio_v020 != a.physical_per_logical
-                                                  or b.derived_ratio_v020 != b.physical_per_logical)):
+        a = side_layout(model, replace(lp.settings, block_size=cand), lp.profile, lp.platform, role="prefill")
+        b = side_layout(model, replace(ld.settings, block_size=cand), ld.profile, ld.platform, role="decode")
+        if a.block_size == cand and sides_agree(a, b):
             return cand
         cand += step
     return None
@@ -72,11 +73,7 @@ def build_plan(model: str | ModelSpec, *, prefill: EngineSettings, decode: Engin
     if b % a == 0 and not p.errors and not d.errors and p.attention_groups:
         if not (spec.mamba_type and spec.mamba_type not in prof.pd_mamba_types):
             rts = routes(p, d)
-    rec = None
-    if spec.is_hybrid and (p.block_size != d.block_size or p.kernel_block_size != d.kernel_block_size
-                           or (prof.derives_remote_ratio and (p.derived_ratio_v020 != p.physical_per_logical
-                                                              or d.derived_ratio_v020 != d.physical_per_logical))):
-        rec = recommended_block(spec, prefill, decode, prof, plat)
+    rec = recommended_block(spec, p, d) if spec.is_hybrid and not sides_agree(p, d) else None
     findings = run_rules(Context(p=p, d=d, routes=rts, recommended_block=rec))
     max_len = prefill.max_model_len or spec.max_position_embeddings or max(DEFAULT_ISLS)
     chosen = isls or tuple(i for i in DEFAULT_ISLS if i <= max_len) or (max_len,)
