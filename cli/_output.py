@@ -108,3 +108,25 @@ def fmt_bytes(n: int | float) -> str:
 
 def stdout_is_tty() -> bool:
     return sys.stdout.isatty()
+
+
+class HealthProgressDisplay:
+    """Rich spinner per child while `serve --role all` waits for /health (stderr)."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self._p = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                           console=Console(stderr=True), transient=False)
+        self._tasks: dict[str, Any] = {}
+        self._p.start()
+
+    def waiting(self, name: str, url: str) -> None:
+        self._tasks[name] = self._p.add_task(f"{name} waiting for {url}", total=1)
+
+    def healthy(self, name: str, seconds: float) -> None:
+        self._p.update(self._tasks[name], completed=1, description=f"{name} healthy ({seconds:.1f} s)")
+
+    def close(self) -> None:
+        self._p.stop()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from dataclasses import replace
 from typing import Any
@@ -21,13 +20,6 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
         k, _, val = v.partition("=")
         out.append((k, val))
     return tuple(out)
-
-
-def proxy_available() -> bool:
-    try:
-        return importlib.util.find_spec("hybridpd.proxy.__main__") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 @click.command(context_settings={"ignore_unknown_options": False})
@@ -129,7 +121,6 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
         auto_block_size=kw["auto_block_size"], allow_errors=kw["force"])
     lp = build_launch_plan(model, prefill=p, decode=d, options=opts, entry=entry, vllm_version=kw["vllm_version"],
                            platform=kw["platform"], allow_network=kw["allow_network"])
-    proxy_missing = lp.proxy is not None and not kw["proxy_command"] and not proxy_available()
     for n in lp.notes:
         hint(f"note: {n}")
     for f in lp.findings:
@@ -137,7 +128,8 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
             hint(f"warning: [{f.code}] {f.message} (fix: {f.fix})")
 
     if kw["emit"] == "k8s":
-        from hybridpd.k8s import manifests, to_yaml, write_atomic
+        from hybridpd.fsutil import write_atomic
+        from hybridpd.k8s import manifests, to_yaml
 
         text = to_yaml(manifests(lp, image=kw["image"], namespace=kw["namespace"], llm_d=kw["llm_d"]))
         if kw["output"] == "-":
@@ -168,9 +160,6 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
             return
 
     if kw["dry_run"]:
-        if proxy_missing:
-            hint("note: hybridpd.proxy has no runnable entry (python -m hybridpd.proxy) yet; "
-                 "--role all would run P and D without it, --role proxy fails")
         if as_json:
             if not kw["check"]:
                 emit_json(lp.to_dict())
@@ -178,20 +167,12 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
             click.echo("\n".join(lp.shell_lines()))
         return
 
-    from hybridpd.errors import ExternalToolError
-
-    if proxy_missing:
-        if kw["role"] == "proxy":
-            raise ExternalToolError("the routing proxy has no runnable entry: `python -m hybridpd.proxy` "
-                                    "(hybridpd/proxy/__main__.py) does not exist yet", field="--role proxy",
-                                    fix="pass --proxy-command CMD, or run P/D with --role all and route yourself")
-        hint("warning: hybridpd.proxy has no runnable entry yet (python -m hybridpd.proxy); "
-             "starting P and D only (pass --proxy-command to supervise a proxy)")
-        lp = replace(lp, processes=tuple(x for x in lp.processes if x.role != "proxy"))
     check_ports(lp)
     from hybridpd.supervisor import Supervisor
 
+    from ._output import HealthProgressDisplay
+
     code = Supervisor(lp, grace_s=kw["grace"], health_timeout_s=kw["health_timeout"],
-                      progress=sys.stderr.isatty()).run()
+                      progress=HealthProgressDisplay() if sys.stderr.isatty() else None).run()
     if code:
         raise SystemExit(code)

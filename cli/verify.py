@@ -89,7 +89,7 @@ def verify(model: str, rehearse: bool, isl: int | None, seed: int, inject: str |
     if out == "json":
         emit_json(data)
     else:
-        emit_report(live.render(data), out)
+        emit_report(render_live(data), out)
     if not data["ok"]:
         raise SystemExit(1)
 
@@ -142,4 +142,26 @@ def render_rehearsal(data: dict[str, Any]) -> Report:
             rep.notes.append("MISMATCH " + m)
     rep.notes.append("PASS: every D rank holds exactly its slice, bytes and descriptors match the plan"
                      if data["ok"] else "FAIL")
+    return rep
+
+
+def render_live(data: dict[str, Any]) -> Report:
+    rep = Report()
+    if data["mode"] == "live":
+        rows = [[p["isl"], p["expected_bytes"], p["moved_bytes"],
+                 f"{p['expected_descriptors_min']}-{p['expected_descriptors']}", p["moved_descriptors"],
+                 p["expected_transfers"], p["transfers"], "ok" if p["ok"] else "MISMATCH"] for p in data["probes"]]
+        rep.tables.append(Table(title=f"Live probes against {data['decode']} (via {data['via']})",
+                                headers=["ISL", "expected B", "moved B", "expected descs", "descs", "expected READs",
+                                         "READs", "verdict"], rows=rows))
+        for p in data["probes"]:
+            rep.notes.extend(f"ISL {p['isl']}: {m}" for m in p["mismatches"])
+    else:
+        rep.tables.append(Table(title=f"Passive window {data['window_s']} s (approximate)",
+                                headers=["requests", "expected B (min..max)", "moved B", "verdict"],
+                                rows=[[data["requests"], f"{data['expected_bytes_min']:,}..{data['expected_bytes_max']:,}",
+                                       data["moved_bytes"], "ok" if data["ok"] else "MISMATCH"]]))
+        rep.notes.extend(data["mismatches"])
+    rep.notes.append(data["note"])
+    rep.notes.append("HEALTHY" if data["ok"] else "NOT HEALTHY")
     return rep

@@ -6,9 +6,7 @@ Each document is JSON, which is valid YAML; documents are separated by `---`. Wr
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from typing import Any
 
 from .launch import LaunchPlan, ProcessSpec
@@ -94,20 +92,3 @@ def manifests(lp: LaunchPlan, *, name: str = "hybridpd", image: str = DEFAULT_IM
 
 def to_yaml(docs: list[dict[str, Any]]) -> str:
     return "".join(f"---\n{json.dumps(d, indent=2)}\n" for d in docs)
-
-
-def write_atomic(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path)) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".hybridpd-", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

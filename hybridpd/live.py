@@ -112,27 +112,3 @@ def passive_verdict(d: dict[str, float], plan: Any, window: float) -> dict[str, 
     return {"mode": "passive", "approximate": True, "window_s": window, "requests": n, "expected_bytes_min": lo,
             "expected_bytes_max": hi, "moved_bytes": moved, "failures": fails, "note": metrics.POOLING_NOTE,
             "plan_errors": errs, "mismatches": mism, "ok": not mism}
-
-
-def render(data: dict[str, Any]) -> Any:
-    from hybridpd_cli._output import Report, Table
-
-    rep = Report()
-    if data["mode"] == "live":
-        rows = [[p["isl"], p["expected_bytes"], p["moved_bytes"],
-                 f"{p['expected_descriptors_min']}-{p['expected_descriptors']}", p["moved_descriptors"],
-                 p["expected_transfers"], p["transfers"], "ok" if p["ok"] else "MISMATCH"] for p in data["probes"]]
-        rep.tables.append(Table(title=f"Live probes against {data['decode']} (via {data['via']})",
-                                headers=["ISL", "expected B", "moved B", "expected descs", "descs", "expected READs",
-                                         "READs", "verdict"], rows=rows))
-        for p in data["probes"]:
-            rep.notes.extend(f"ISL {p['isl']}: {m}" for m in p["mismatches"])
-    else:
-        rep.tables.append(Table(title=f"Passive window {data['window_s']} s (approximate)",
-                                headers=["requests", "expected B (min..max)", "moved B", "verdict"],
-                                rows=[[data["requests"], f"{data['expected_bytes_min']:,}..{data['expected_bytes_max']:,}",
-                                       data["moved_bytes"], "ok" if data["ok"] else "MISMATCH"]]))
-        rep.notes.extend(data["mismatches"])
-    rep.notes.append(data["note"])
-    rep.notes.append("HEALTHY" if data["ok"] else "NOT HEALTHY")
-    return rep

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import TYPE_CHECKING
 
 from .errors import ExternalToolError
+from .fsutil import atomic_target
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -38,13 +37,8 @@ def plot_transfer(plan: Plan, path: str) -> None:
     ax.legend()
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, suffix=".png.tmp")
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, path)
+        with atomic_target(path, suffix=".png") as tmp:
+            fig.savefig(tmp, format="png", dpi=110)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)

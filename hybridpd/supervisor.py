@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from .errors import HybridPDError
 from .launch import LaunchPlan, ProcessSpec, env_for
@@ -50,10 +50,20 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+class HealthProgress(Protocol):
+    """Where the wait for /health is shown (the CLI passes a rich display; None logs status lines)."""
+
+    def waiting(self, name: str, url: str) -> None: ...
+
+    def healthy(self, name: str, seconds: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Supervisor:
     def __init__(self, plan: LaunchPlan, *, out: IO[str] | None = None, grace_s: float = 15.0,
                  health_timeout_s: float = 900.0, poll_s: float = 0.5, tail_lines: int = 40,
-                 progress: bool = True, on_ready: Callable[[Supervisor], None] | None = None) -> None:
+                 progress: HealthProgress | None = None, on_ready: Callable[[Supervisor], None] | None = None) -> None:
         self.plan = plan
         self.out = out or sys.stdout
         self.grace_s = grace_s
@@ -120,17 +130,10 @@ class Supervisor:
 
     def _wait_healthy(self, children: Sequence[Child]) -> None:
         deadline = time.monotonic() + self.health_timeout_s
-        prog: Any = None
-        tasks: dict[str, Any] = {}
-        if self.progress:
-            from rich.console import Console
-            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-            prog = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                            console=Console(stderr=True), transient=False)
-            prog.start()
+        prog = self.progress
+        if prog is not None:
             for c in children:
-                tasks[c.spec.name] = prog.add_task(f"{c.spec.name} waiting for {c.spec.health_url}", total=1)
+                prog.waiting(c.spec.name, c.spec.health_url)
         try:
             while True:
                 if self._stop.is_set():
@@ -143,8 +146,7 @@ class Supervisor:
                         c.healthy = True
                         dt = time.monotonic() - c.started
                         if prog is not None:
-                            prog.update(tasks[c.spec.name], completed=1,
-                                        description=f"{c.spec.name} healthy ({dt:.1f} s)")
+                            prog.healthy(c.spec.name, dt)
                         else:
                             self.status(f"{c.spec.name} healthy after {dt:.1f} s")
                 if all(c.healthy for c in children):
@@ -155,7 +157,7 @@ class Supervisor:
                 self._stop.wait(self.poll_s)
         finally:
             if prog is not None:
-                prog.stop()
+                prog.close()
 
     def stop_all(self) -> None:
         """SIGTERM every process group, wait grace_s, SIGKILL what is left, reap everything."""

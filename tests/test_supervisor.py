@@ -80,7 +80,7 @@ def test_supervisor_ready_logs_and_stop(tiny_models: dict[str, Path], fake: Path
         seen["names"] = [c.spec.name for c in sup.children]
         sup.request_stop("test done")
 
-    code = Supervisor(lp, out=out, progress=False, grace_s=5, poll_s=0.1, on_ready=on_ready).run(
+    code = Supervisor(lp, out=out, grace_s=5, poll_s=0.1, on_ready=on_ready).run(
         install_signals=False)
     assert code == 0
     assert seen["names"] == ["prefill-0", "decode-0", "proxy"]
@@ -101,7 +101,7 @@ def test_fail_fast_with_last_lines(tiny_models: dict[str, Path], fake: Path,
                    prefill_args=("--fake-exit",))
     out = io.StringIO()
     t0 = time.monotonic()
-    code = Supervisor(lp, out=out, progress=False, grace_s=5, poll_s=0.1).run(install_signals=False)
+    code = Supervisor(lp, out=out, grace_s=5, poll_s=0.1).run(install_signals=False)
     assert code == 1
     assert time.monotonic() - t0 < 15  # did not wait for decode's 30 s start-up
     err = capsys.readouterr().err
@@ -114,7 +114,7 @@ def test_fail_fast_with_last_lines(tiny_models: dict[str, Path], fake: Path,
 
 def test_health_timeout(tiny_models: dict[str, Path], fake: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lp = make_plan(tiny_models["llama"], fake, role="decode", extra=("--fake-delay", "30"))
-    code = Supervisor(lp, out=io.StringIO(), progress=False, grace_s=2, poll_s=0.1,
+    code = Supervisor(lp, out=io.StringIO(), grace_s=2, poll_s=0.1,
                       health_timeout_s=1.5).run(install_signals=False)
     assert code == 1 and "decode-0 not healthy after 2 s" in capsys.readouterr().err
 
