@@ -83,6 +83,9 @@ def engine_options(func: F) -> F:
         click.option("--vllm-version", default=None, help="vLLM release, e.g. 0.20, 0.22.1, 0.32 "
                                                           "(default: installed vLLM, else newest profile)."),
         click.option("--platform", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True),
+        click.option("--cpu-avx512-bf16/--no-cpu-avx512-bf16", default=None,
+                     help="--platform cpu: whether the target host has avx512_bf16 (vLLM then keeps the SSM "
+                          "state in fp32). Default: this host's CPU flags."),
         click.option("--allow-network", is_flag=True, default=False,
                      help="Let MODEL resolution download config.json from the Hugging Face Hub."),
     ]
@@ -99,7 +102,8 @@ def settings_from(kw: dict[str, Any]) -> tuple[EngineSettings, EngineSettings]:
         num_speculative_tokens=kw["num_speculative_tokens"], max_model_len=kw["max_model_len"],
         num_blocks=kw["num_blocks"], kv_cache_memory=kw["kv_cache_memory"], gpu_memory=kw["gpu_memory"],
         gpu_memory_utilization=kw["gpu_memory_utilization"], weights_memory=kw["weights_memory"] or 0,
-        disable_hybrid_kv_cache_manager=kw["disable_hybrid_kv_cache_manager"], conv_layout=kw["conv_layout"])
+        disable_hybrid_kv_cache_manager=kw["disable_hybrid_kv_cache_manager"], conv_layout=kw["conv_layout"],
+        cpu_avx512_bf16=kw["cpu_avx512_bf16"])
     p = EngineSettings(tp=kw["ptp"], block_size=kw["p_block_size"] or kw["block_size"], **common)
     d = EngineSettings(tp=kw["dtp"], block_size=kw["d_block_size"] or kw["block_size"], **common)
     return p, d

@@ -206,7 +206,6 @@ _NEMOTRON_BLOCK_TYPES = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E",
 
 
 def _nemotron_h(raw: RawModel, cfg: _Cfg) -> ModelSpec:
-    n = cfg.int("num_hidden_layers")
     pattern = cfg.str("hybrid_override_pattern")
     if pattern is None:
         types = cfg.list("layers_block_type")
@@ -222,6 +221,8 @@ def _nemotron_h(raw: RawModel, cfg: _Cfg) -> ModelSpec:
     if bad:
         raise ConfigError(f"unknown layer symbol(s) {''.join(sorted(bad))!r}", field="hybrid_override_pattern",
                           fix="use M (Mamba2), * (attention), - (MLP), E (MoE)")
+    # transformers >= 5 writes layers_block_type and derives num_hidden_layers from it (no key in config.json)
+    n = cfg.int("num_hidden_layers") if "num_hidden_layers" in cfg.raw else len(pattern)
     if len(pattern) != n:
         raise ConfigError(f"has {len(pattern)} layers but num_hidden_layers is {n}",
                           field="hybrid_override_pattern", fix="make the pattern one symbol per layer")
@@ -244,14 +245,13 @@ def _granite(raw: RawModel, cfg: _Cfg) -> ModelSpec:
     if len(types) != n:
         raise ConfigError(f"has {len(types)} entries but num_hidden_layers is {n}", field="layer_types",
                           fix="one entry per layer")
+    # transformers >= 5 writes linear_attention / full_attention for mamba / attention
+    names = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*"}
     kinds = []
     for t in types:
-        if t == "mamba":
-            kinds.append("M")
-        elif t == "attention":
-            kinds.append("*")
-        else:
+        if t not in names:
             raise ConfigError(f"unknown layer type {t!r}", field="layer_types", fix="use mamba or attention")
+        kinds.append(names[t])
     hidden = cfg.int("hidden_size")
     mamba = _check_mamba(MambaDims(
         num_heads=cfg.int("mamba_n_heads"), head_dim=cfg.int("mamba_d_head"),

@@ -16,7 +16,7 @@ from . import dtypes
 from .errors import UsageError
 from .families import ATTENTION, MAMBA, ModelSpec
 from .mamba import MambaRankState
-from .profiles import KernelSizes, PlatformProfile, VllmProfile
+from .profiles import KernelSizes, PlatformProfile, VllmProfile, host_has_avx512_bf16
 from .settings import EngineSettings
 
 
@@ -120,8 +120,13 @@ def resolve_dtypes(model: ModelSpec, s: EngineSettings, profile: VllmProfile, pl
     else:
         ssm = conv
     if model.has_mamba and platform.forces_fp32_ssm and ssm != "float32":
-        reasons.append(f"SSM state {ssm} -> float32 (vLLM CPU backend resets it on avx512_bf16 hosts)")
-        ssm = "float32"
+        avx = s.cpu_avx512_bf16 if s.cpu_avx512_bf16 is not None else host_has_avx512_bf16()
+        if avx:
+            reasons.append(f"SSM state {ssm} -> float32 (vLLM CPU backend resets it on avx512_bf16 hosts)")
+            ssm = "float32"
+        else:
+            reasons.append(f"SSM state stays {ssm}: the CPU host has no avx512_bf16 (--cpu-avx512-bf16 to plan "
+                           "for one that has)")
     return Dtypes(kv=kv, conv=conv, ssm=ssm, reasons=tuple(reasons))
 
 

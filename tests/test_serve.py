@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -13,12 +10,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from procs import alive, free_port_run, free_ports, group_members
-
-VLLM_PY = os.environ.get("HYBRIDPD_VLLM_PYTHON", "/work/venvs/vllm/bin/python")
-EXAMPLES = Path(os.environ.get("HYBRIDPD_VLLM_EXAMPLES", "/work/shared/reference/vllm-cpu-examples"))
-
-needs_vllm = pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM python at {VLLM_PY}")
+from procs import alive
+from vllm_pd import EXAMPLES, VLLM_PY, needs_vllm, running_pd
 
 
 def hpd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -64,36 +57,14 @@ def test_real_dense_pd_on_vllm_cpu(tmp_path: Path) -> None:
 
     model = write_model(tmp_path, "llama", TINY_LLAMA)
     subprocess.run([VLLM_PY, str(EXAMPLES / "make_tokenizer.py"), str(model)], check=True, capture_output=True)
-    pp, dp, xp = free_ports(3)
-    sp = free_port_run(2)
-    err = tmp_path / "err.log"
-    out = tmp_path / "out.log"
-    cmd = [sys.executable, "-m", "hybridpd_cli.main", "serve", str(model), "--platform", "cpu",
-           "--vllm-python", VLLM_PY, "--prefill-port", str(pp), "--decode-port", str(dp), "--proxy-port", str(xp),
-           "--side-channel-port", str(sp), "--env", "HF_HUB_OFFLINE=1", "--", "--load-format", "dummy",
-           "--seed", "0"]
-    with open(out, "w") as fo, open(err, "w") as fe:
-        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe)
-        try:
-            deadline = time.monotonic() + 600
-            while "all healthy" not in err.read_text():
-                assert proc.poll() is None, err.read_text()[-3000:]
-                assert time.monotonic() < deadline, err.read_text()[-3000:]
-                time.sleep(1)
-            pids = [int(p) for p in re.findall(r"pid (\d+)", err.read_text())]
-            group = [q for p in pids for q in group_members(p)]
-            body = json.dumps({"model": str(model), "prompt": "Hello, P/D world", "max_tokens": 8,
-                               "temperature": 0}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{xp}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=180) as r:
-                reply = json.loads(r.read())
-            assert reply["choices"][0]["text"] is not None
-            assert "[prefill-0]" in out.read_text() and "[decode-0]" in out.read_text()
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=90) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+    with running_pd(model, tmp_path, "--load-format", "dummy", "--seed", "0") as pd:
+        body = json.dumps({"model": str(model), "prompt": "Hello, P/D world", "max_tokens": 8,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"{pd.proxy_url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=180) as r:
+            reply = json.loads(r.read())
+        assert reply["choices"][0]["text"] is not None
+        assert "[prefill-0]" in pd.out.read_text() and "[decode-0]" in pd.out.read_text()
     time.sleep(1)
-    assert not [p for p in group if alive(p)], "orphans left behind"
+    assert not [p for p in pd.group if alive(p)], "orphans left behind"
