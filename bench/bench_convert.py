@@ -8,8 +8,14 @@ processes, the order rotating each repeat, with a sync and a pause before each r
 - ``convert SD->DS``: the real CLI (``hybridpd convert ... --to DS --model nano``), fsync included,
   with each ``--checksum`` (crc32, the default; sha256; none);
 - ``torch memcpy``: ``dst.copy_(src)`` of the same bytes already in RAM (memory bandwidth);
-- with ``--device cuda``: the CLI with ``--device cuda``, and on the GPU the transpose kernel against a
-  plain device-to-device copy of the same bytes.
+- with ``--device cuda``: the CLI with ``--device cuda``, and the GPU section below.
+
+GPU section (``--device cuda``, or alone and in well under a minute with ``--gpu-only``): on one device, the
+same in-process data, CUDA events, warm-up, best of ``--gpu-reps``: a plain device-to-device copy of the
+same bytes (the ceiling), then SD->DS and DS->SD of a bf16 conv state (as int16, ``--gpu-len`` x
+``--gpu-dim``, ``--gpu-mib`` MiB) by the old torch strided copy and by ``hybridpd.gpu_transpose.channel_copy``
+variants "flat" and "tile" (each checked against the torch copy first).  GB/s counts the tensor's bytes
+once; "of d2d" = copy time / this time.  The last line of stdout is a one-line JSON summary.
 
 Wall time includes interpreter start and ``import torch``; "core" is what the command reports for
 the conversion itself (torch already imported).  Peak RSS is each child's VmHWM (``import torch`` alone
@@ -18,6 +24,7 @@ is ~220 MiB for the CPU build, ~500 MiB for the CUDA build).  Files are deleted 
     python bench/bench_convert.py                    # 2 GiB in $TMPDIR
     python bench/bench_convert.py --size-gb 4 --dir /data --repeat 5 --json
     python bench/bench_convert.py --device cuda      # on a GPU machine
+    python bench/bench_convert.py --gpu-only         # just the GPU kernels (no files, no CLI)
 """
 
 from __future__ import annotations
@@ -133,22 +140,69 @@ for _ in range(3):
     t = time.perf_counter(); dst.copy_(src); best = min(best, time.perf_counter() - t)
 print(json.dumps({"seconds": best}))
 """
-GPU = """
-import json, sys, torch
-blocks, L, dim = map(int, sys.argv[1:4]); dev = "cuda"
-src = torch.randint(-32768, 32767, (blocks, L, dim), dtype=torch.int16, device=dev)
-dst_t = torch.empty(blocks, dim, L, dtype=torch.int16, device=dev); dst_c = torch.empty_like(src)
-def timed(fn):
-    fn(); torch.cuda.synchronize(); a, b = torch.cuda.Event(True), torch.cuda.Event(True); best = 1e9
-    for _ in range(10):
-        a.record(); fn(); b.record(); b.synchronize(); best = min(best, a.elapsed_time(b) / 1e3)
-    return best
-n = src.numel() * 2
-res = {"bytes": n, "d2d_copy_s": timed(lambda: dst_c.copy_(src)),
-       "transpose_s": timed(lambda: dst_t.copy_(src.transpose(1, 2))),
-       "device": torch.cuda.get_device_name()}
-print(json.dumps(res))
-"""
+def gpu_bench(device: str, length: int, dim: int, nbytes: int, reps: int) -> dict[str, Any]:
+    """Time d2d copy, torch strided copy and channel_copy's variants on one device (see the module doc)."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from hybridpd.gpu_transpose import VARIANTS, _torch_copy, channel_copy, triton_available
+
+    rows = max(1, nbytes // (length * dim * 2))
+    sd = torch.randint(-32768, 32767, (rows, length, dim), dtype=torch.int16, device=device)
+    ds = sd.transpose(1, 2).contiguous()
+    out_sd, out_ds, dst = torch.empty_like(sd), torch.empty_like(ds), torch.empty_like(sd)
+
+    def timed(fn: Any) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize(device)
+        a, b, best = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 1e9
+        for _ in range(reps):
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            best = min(best, a.elapsed_time(b) / 1e3)
+        return best
+
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "bytes": sd.numel() * 2, "rows": rows,
+                           "L": length, "C": dim, "triton": triton_available(), "d2d_copy_s": timed(lambda: dst.copy_(sd))}
+
+    def direction(out: Any, lay_o: str, inp: Any, lay_i: str, want: Any) -> dict[str, float]:
+        r = {"torch_s": timed(lambda: _torch_copy(out, lay_o, 0, inp, lay_i, 0, dim))}
+        for v in VARIANTS if res["triton"] else ():
+            out.zero_()
+            channel_copy(out, lay_o, 0, inp, lay_i, 0, dim, variant=v)
+            if not torch.equal(out, want):
+                raise SystemExit(f"channel_copy variant {v!r} {lay_i}->{lay_o} gives wrong data")
+            r[f"{v}_s"] = timed(lambda v=v: channel_copy(out, lay_o, 0, inp, lay_i, 0, dim, variant=v))
+        return r
+
+    res["SD->DS"] = direction(out_ds, "DS", sd, "SD", ds)
+    res["DS->SD"] = direction(out_sd, "SD", ds, "DS", sd)
+    return res
+
+
+def gpu_summary(gpu: dict[str, Any]) -> dict[str, Any]:
+    """GB/s and fraction of the d2d copy for every timing in ``gpu`` (flat, JSON-ready)."""
+    n, d2d = gpu["bytes"], gpu["d2d_copy_s"]
+    out = {k: gpu[k] for k in ("device", "bytes", "rows", "L", "C", "triton")}
+    out["d2d_GBps"] = round(n / d2d / 1e9, 1)
+    for name in ("SD->DS", "DS->SD"):
+        for what, t in gpu[name].items():
+            key = f"{name}.{what.removesuffix('_s')}"
+            out[f"{key}.GBps"], out[f"{key}.of_d2d"] = round(n / t / 1e9, 1), round(d2d / t, 3)
+    return out
+
+
+def print_gpu(gpu: dict[str, Any]) -> None:
+    s = gpu_summary(gpu)
+    print(f"GPU {s['device']}: {s['bytes'] / 2**20:.0f} MiB int16 conv state ({s['rows']} x L={s['L']} x C={s['C']}); "
+          f"d2d copy {s['d2d_GBps']} GB/s (GB/s = tensor bytes / time; of d2d = copy time / this time)")
+    for name in ("SD->DS", "DS->SD"):
+        for what in gpu[name]:
+            key = f"{name}.{what.removesuffix('_s')}"
+            print(f"  {key:14} {s[key + '.GBps']:8.1f} GB/s  {s[key + '.of_d2d']:.3f} of d2d")
 
 
 def main() -> None:
@@ -158,10 +212,21 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda to add the GPU measurements")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--gpu-only", action="store_true", help="only the GPU section: no files, no CLI runs")
+    ap.add_argument("--gpu-len", type=int, default=3, help="GPU section: state_len L (default 3)")
+    ap.add_argument("--gpu-dim", type=int, default=6144, help="GPU section: conv channels C (default 6144, Nano TP 1)")
+    ap.add_argument("--gpu-mib", type=int, default=1024, help="GPU section: conv state size in MiB (default 1024)")
+    ap.add_argument("--gpu-reps", type=int, default=10, help="GPU section: timed repeats, best kept (default 10)")
     ap.add_argument("--make-input", nargs=2, metavar=("PATH", "BYTES"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.make_input:
         print(json.dumps(make_input(Path(a.make_input[0]), int(a.make_input[1]))))
+        return
+    if a.gpu_only:
+        gpu = gpu_bench(a.device if a.device.startswith("cuda") else "cuda", a.gpu_len, a.gpu_dim, a.gpu_mib << 20,
+                        a.gpu_reps)
+        print_gpu(gpu)
+        print(json.dumps(gpu_summary(gpu)))
         return
     size = int(a.size_gb * (1 << 30))
     free = shutil.disk_usage(a.dir).free
@@ -209,8 +274,9 @@ def main() -> None:
                 dst.unlink(missing_ok=True)
         gpu = None
         if a.device.startswith("cuda"):
-            _, _, out = child([py, "-c", GPU, str(blocks * layers), "3", "6144"], env)
-            gpu = json.loads(out)
+            _, _, out = child([py, __file__, "--gpu-only", "--device", a.device, "--gpu-len", str(a.gpu_len),
+                               "--gpu-dim", str(a.gpu_dim), "--gpu-mib", str(a.gpu_mib), "--gpu-reps", str(a.gpu_reps)], env)
+            gpu = json.loads(out.strip().splitlines()[-1])
         report(runs, nbytes, gpu, summary, a.json)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -227,10 +293,6 @@ def report(runs: dict[str, list[tuple[float, float, int]]], nbytes: int, gpu: di
                      "wall_s_median": round(statistics.median(r[0] for r in rs), 3),
                      "GBps_core": round(nbytes / core / 1e9, 3), "vs_copy": round(copy_core / core, 2),
                      "peak_rss_MiB": round(max(r[2] for r in rs) / 2**20, 1)})
-    if gpu:
-        gpu = {**gpu, "d2d_copy_GBps": round(gpu["bytes"] / gpu["d2d_copy_s"] / 1e9, 1),
-               "transpose_GBps": round(gpu["bytes"] / gpu["transpose_s"] / 1e9, 1)}
-        gpu["transpose_vs_d2d"] = round(gpu["d2d_copy_s"] / gpu["transpose_s"], 2)
     if as_json:
         print(json.dumps({"file_bytes": nbytes, "results": rows, "gpu": gpu,
                           "convert_summary": {k: summary.get(k) for k in ("tensors_converted", "bytes_read",
@@ -244,9 +306,8 @@ def report(runs: dict[str, list[tuple[float, float, int]]], nbytes: int, gpu: di
         print(f"{r['what']:46} {r['core_s_median']:8.3f} {r['core_s_best']:8.3f} {r['wall_s_median']:8.3f} "
               f"{r['GBps_core']:7.2f} {r['vs_copy']:8.2f} {r['peak_rss_MiB']:8.1f} MiB")
     if gpu:
-        print(f"GPU {gpu['device']}: {gpu['bytes'] / 2**30:.2f} GiB conv state on device: d2d copy "
-              f"{gpu['d2d_copy_GBps']} GB/s, SD->DS transpose {gpu['transpose_GBps']} GB/s "
-              f"({gpu['transpose_vs_d2d']}x of the copy)")
+        print(f"GPU {gpu['device']}: d2d copy {gpu['d2d_GBps']} GB/s; " + ", ".join(
+            f"{k.removesuffix('.of_d2d')} {v}x" for k, v in gpu.items() if k.endswith(".of_d2d")) + " of the copy")
 
 
 if __name__ == "__main__":

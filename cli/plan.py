@@ -19,9 +19,15 @@ from ._output import Report, Table, emit_json, emit_report, fmt_bytes, output_op
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write bytes per request vs input length (actual vs naive) to a PNG (needs matplotlib).")
 @click.option("--strict", is_flag=True, help="Exit 1 when a finding has severity error.")
+@click.option("--calibration", "calibration_path", type=click.Path(dir_okay=False), default=None,
+              help="Transfer-time calibration JSON (schema hybridpd-calibration/1) for the per-request time "
+                   "estimate n_desc x c + bytes / bw. Default: the bundled table.")
+@click.option("--link", default=None, metavar="NAME",
+              help="Calibration entry to estimate with. Default: the first VRAM entry (--platform cuda) or DRAM "
+                   "entry (--platform cpu).")
 @output_options
-def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict: bool, as_json: bool,
-         fmt: str | None, **kw: Any) -> None:
+def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict: bool, calibration_path: str | None,
+         link: str | None, as_json: bool, fmt: str | None, **kw: Any) -> None:
     """Predict vLLM's KV-cache layout and P/D transfer for MODEL, to the byte.
 
     MODEL is a bundled id or alias (see `hybridpd models`), a model directory or config.json, or a
@@ -33,12 +39,17 @@ def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict
       hybridpd plan nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-FP8 --ptp 4 --dtp 4 \\
           --kv-cache-dtype fp8 --block-size 128 --vllm-version 0.20 --json
     """
+    from hybridpd.estimate import MEMORY_OF_PLATFORM, load_calibration, select
     from hybridpd.plan import build_plan, plan_to_dict
 
+    entries = load_calibration(calibration_path)
+    entry = select(entries, link, platform=kw["platform"])
     p, d = settings_from(kw)
     result = build_plan(model, prefill=p, decode=d, vllm_version=kw["vllm_version"], platform=kw["platform"],
                         isls=isls, allow_network=kw["allow_network"])
-    data = plan_to_dict(result)
+    data = plan_to_dict(result, estimate_with=entry)
+    if entry is None:
+        data["calibration"] = None
     if plot_path:
         from hybridpd.plotting import plot_transfer
 
@@ -47,7 +58,11 @@ def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict
     if out == "json":
         emit_json(data)
     else:
-        emit_report(render(data), out)
+        rep = render(data)
+        if entry is None and data["transfer"]:
+            rep.notes.append(f"est. time omitted: no {MEMORY_OF_PLATFORM[kw['platform']]} entry for --platform "
+                             f"{kw['platform']} in {entries[0].source}; pass --calibration FILE with one, or --link NAME.")
+        emit_report(rep, out)
     if strict and not data["ok"]:
         raise SystemExit(1)
 
@@ -81,6 +96,29 @@ def _side_rows(p: dict[str, Any], d: dict[str, Any]) -> list[list[Any]]:
         ["blocks that fit", p["num_blocks"], d["num_blocks"]],
     ]
     return rows
+
+
+def fmt_seconds(s: float) -> str:
+    """A duration for tables: µs below 1 ms, ms below 1 s, else s."""
+    if s < 1e-3:
+        return f"{s * 1e6:,.1f} µs"
+    if s < 1:
+        return f"{s * 1e3:,.2f} ms"
+    return f"{s:,.2f} s"
+
+
+def _est_cell(e: dict[str, Any]) -> str:
+    cell = fmt_seconds(e["request_s"])
+    if e["request_s_coalesced"] < e["request_s"] * (1 - 1e-9):
+        cell += f" ({fmt_seconds(e['request_s_coalesced'])} coalesced)"
+    return cell
+
+
+def _est_note(c: dict[str, Any]) -> str:
+    return (f"est. time: slowest D rank, n_desc × c + bytes / bw, calibration '{c['name']}' ({c['transport']}, "
+            f"{c['memory']}: c = {c['per_descriptor_us']:,.2f} µs per descriptor, bw = {c['bandwidth_gbps']:,.1f} GB/s; "
+            f"{c['hardware']}; {c['software']}; measured {c['measured']}; from {c['source']}). n_desc as vLLM issues "
+            "them; 'coalesced' = every contiguous run merged into one descriptor.")
 
 
 def sp(v: list[int] | None) -> str:
@@ -122,16 +160,20 @@ def render(data: dict[str, Any]) -> Report:
         rep.tables.append(Table(title="Per D rank reads (offset+length in P's page)",
                                 headers=["D rank", "P rank", "FA", "x", "B", "C", "SSM"], rows=rows))
     if data["transfer"]:
+        est = data.get("calibration") is not None
         rows = []
         for t in data["transfer"]:
             desc = (f"{t['descriptors']:,}" if t["descriptors"] == t["descriptors_min"]
                     else f"{t['descriptors_min']:,}-{t['descriptors']:,}")
             rows.append([t["isl"], fmt_bytes(t["fa_bytes"]), fmt_bytes(t["mamba_bytes"]), fmt_bytes(t["bytes"]),
-                         fmt_bytes(t["naive_bytes"]), fmt_bytes(t["bytes_saved"]), desc, t["reads"]])
+                         fmt_bytes(t["naive_bytes"]), fmt_bytes(t["bytes_saved"]), desc, t["reads"],
+                         *([_est_cell(t["estimate"])] if est else [])])
         rep.tables.append(Table(title="Per request, all D ranks (N-1 rule applied)" if m["mamba_layers"]
                                 else "Per request, all D ranks",
                                 headers=["ISL", "FA", "Mamba", "moved", "naive (padded)", "saved", "descriptors",
-                                         "READs"], rows=rows))
+                                         "READs", *(["est. time"] if est else [])], rows=rows))
+        if est:
+            rep.notes.append(_est_note(data["calibration"]))
     sev = {"error": "ERROR", "warning": "warn", "info": "info"}
     rep.tables.append(Table(title="Findings", headers=["severity", "code", "message", "fix"],
                             rows=[[sev[f["severity"]], f["code"], f["message"], f["fix"]] for f in data["findings"]]))

@@ -22,8 +22,9 @@ from ._output import Report, Table, emit_json, emit_report, hint, output_options
               help="Fault injection: shift one remote descriptor by a block, or shorten one.")
 @click.option("--inject-rank", type=click.IntRange(min=0), default=0, show_default=True,
               help="D rank whose first READ gets the fault.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where the rehearsal's KV tensors live (cuda/VRAM: not implemented yet, issue #7).")
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the rehearsal's KV tensors live: cpu (DRAM), cuda / cuda:N (VRAM, every rank on one GPU), "
+                   "cuda:N,M (P ranks on GPU N, D ranks on GPU M).")
 @click.option("--transport", type=click.Choice(["nixl", "numpy"]), default="nixl", show_default=True,
               help="nixl: one NIXL agent per rank in separate processes; numpy: in-process copies (no NIXL).")
 @click.option("--max-rank-bytes", type=click.IntRange(min=1 << 20), default=64 << 20, show_default=True,
@@ -48,6 +49,8 @@ def verify(model: str, rehearse: bool, isl: int | None, seed: int, inject: str |
       hybridpd verify nano-fp8 --ptp 1 --dtp 2 --rehearse
       hybridpd verify granite-tiny --ptp 1 --dtp 2 --rehearse --json     # fails: B/C corruption
       hybridpd verify MODEL --rehearse --inject offset                     # must fail
+      hybridpd verify nano --ptp 2 --dtp 2 --rehearse --device cuda        # VRAM, GPU 0
+      hybridpd verify nano --ptp 1 --dtp 4 --block-size 2096 --rehearse --device cuda:0,1
     Live:
       hybridpd verify MODEL --ptp 1 --dtp 1 --decode http://d:8200 --prefill http://p:8100
       hybridpd verify MODEL --decode http://d:8200 --proxy http://proxy:8000 --prompt-tokens
@@ -64,10 +67,7 @@ def verify(model: str, rehearse: bool, isl: int | None, seed: int, inject: str |
     if rehearse:
         if decode_url or prefill_url or proxy_url or passive:
             raise UsageError("--rehearse cannot be combined with live options", field="--rehearse")
-        if device == "cuda":
-            raise UsageError("VRAM rehearsal is not implemented yet (issue #7); the rehearsal runs on DRAM",
-                             field="--device", fix="use --device cpu")
-        data = _rehearse(plan, kw["num_blocks"], isl, seed, inject, inject_rank, transport, max_rank_bytes)
+        data = _rehearse(plan, kw["num_blocks"], isl, seed, inject, inject_rank, transport, max_rank_bytes, device)
         if out == "json":
             emit_json(data)
         else:
@@ -95,8 +95,16 @@ def verify(model: str, rehearse: bool, isl: int | None, seed: int, inject: str |
 
 
 def _rehearse(plan: Any, num_blocks: int | None, isl: int | None, seed: int, inject: str | None,
-              inject_rank: int, transport: str, max_rank_bytes: int) -> dict[str, Any]:
+              inject_rank: int, transport: str, max_rank_bytes: int, device: str) -> dict[str, Any]:
+    from hybridpd.errors import UsageError
+    from hybridpd.nixl_agent import check_devices, parse_device
     from hybridpd.rehearsal import make_setup, run_in_memory, summarize
+
+    placement = parse_device(device)
+    if placement.on_gpu and transport == "numpy":
+        raise UsageError("--transport numpy copies host memory only", field="--transport",
+                         fix="use --transport nixl with --device cuda")
+    check_devices(placement)
 
     setup = make_setup(plan, num_blocks=num_blocks, isl=isl, seed=seed, inject=inject, inject_rank=inject_rank,
                        max_rank_bytes=max_rank_bytes)
@@ -107,8 +115,8 @@ def _rehearse(plan: Any, num_blocks: int | None, isl: int | None, seed: int, inj
     else:
         from hybridpd.nixl_agent import run_nixl
 
-        per_rank = run_nixl(setup)
-    return summarize(setup, per_rank, transport)
+        per_rank = run_nixl(setup, device=placement)
+    return summarize(setup, per_rank, transport, memory=placement.describe())
 
 
 def render_rehearsal(data: dict[str, Any]) -> Report:
@@ -133,6 +141,11 @@ def render_rehearsal(data: dict[str, Any]) -> Report:
               f"{data['transport']}), ISL {data['isl']} -> {data['tokens_transferred']} tokens, "
               f"{data['num_blocks']} blocks/rank",
         headers=["D rank", "component", "expected B", "moved B", "wrong B at D", "verdict"], rows=rows))
+    if data.get("ucx_read_transports"):
+        rep.notes.append(f"KV memory: {data['memory']}; UCX carried the READs over "
+                         f"{', '.join(data['ucx_read_transports'])} ({'; '.join(data['ucx_read_operations'])})")
+    for w in data.get("ucx_warnings", []):
+        rep.notes.append(f"UCX: {w}")
     for f in data["findings"]:
         rep.notes.append(f"plan finding {f['code']}: {f['message']}")
     for r in data["per_rank"]:

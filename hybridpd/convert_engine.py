@@ -193,6 +193,16 @@ class Engine:
             return t.view(rows, length, channels).transpose(1, 2)
         return t.view(rows, channels, length)
 
+    def _place(self, out: Any, out_layout: str | None, out_c0: int, raw: Any, in_layout: str | None, in_c0: int,
+               n: int, rows: int, in_channels: int, length: int) -> None:
+        """Channels [in_c0, in_c0 + n) of the loaded chunk ``raw`` (flat, held in ``in_layout``) into channels
+        [out_c0, out_c0 + n) of ``out`` (viewed in ``out_layout``) on the GPU: one Triton kernel per run."""
+        from .gpu_transpose import DS as _DS
+        from .gpu_transpose import channel_copy
+
+        inp = raw.view(rows, length, in_channels) if in_layout == SD else raw.view(rows, in_channels, length)
+        channel_copy(out, SD if out_layout == SD else _DS, out_c0, inp, SD if in_layout == SD else _DS, in_c0, n)
+
     def _load(self, view: memoryview, elem: int) -> Any:
         import torch
 
@@ -265,7 +275,8 @@ class Engine:
 
     def _gather_chunk(self, step: Step, view: memoryview, rows: int) -> list[memoryview]:
         L = step.length
-        inp = self._ds(self._load(view, step.elem), step.in_layouts[0], rows, step.in_channels[0], L)
+        raw = self._load(view, step.elem)
+        inp = self._ds(raw, step.in_layouts[0], rows, step.in_channels[0], L)
         outs = []
         for k, (ck, lay) in enumerate(zip(step.out_channels, step.out_layouts, strict=True)):
             out = self._buf(k, rows * ck * L * step.elem, self.device, step.elem,
@@ -273,7 +284,10 @@ class Engine:
             out_ds = out.transpose(1, 2) if lay == SD else out
             pos = 0
             for a, b in step.runs[k]:
-                out_ds[:, pos:pos + b - a].copy_(inp[:, a:b])
+                if self.device == "cpu":
+                    out_ds[:, pos:pos + b - a].copy_(inp[:, a:b])
+                else:
+                    self._place(out, lay, pos, raw, step.in_layouts[0], a, b - a, rows, step.in_channels[0], L)
                 pos += b - a
             outs.append(self._host(k, out))
         return outs
@@ -289,20 +303,26 @@ class Engine:
             for k, src in enumerate(sources):
                 row_in = step.in_channels[k] * L * step.elem
                 wins.append(src.map(step.sources[k], r0 * row_in, rows * row_in))
-                self._scatter_chunk(step, k, wins[-1].view, rows, out_ds, r0)
+                self._scatter_chunk(step, k, wins[-1].view, rows, out_ds, r0, out)
                 self.progress(rows * row_in)
             data = self._host(0, out)
 
             self._submit(partial(sink.write, data), reads=partial(_digest, sources, wins, _Release(wins, 1)))
 
-    def _scatter_chunk(self, step: Step, k: int, view: memoryview, rows: int, out_ds: Any, r0: int) -> None:
+    def _scatter_chunk(self, step: Step, k: int, view: memoryview, rows: int, out_ds: Any, r0: int,
+                       out: Any = None) -> None:
+        """``out`` is the output chunk that ``out_ds`` views (in ``step.out_layouts[0]``); the GPU path needs it."""
         import torch
 
-        inp = self._ds(self._load(view, step.elem), step.in_layouts[k], rows, step.in_channels[k], step.length)
+        raw = self._load(view, step.elem)
+        inp = self._ds(raw, step.in_layouts[k], rows, step.in_channels[k], step.length)
         pos = 0
         for (a, b), place in zip(step.runs[k], step.place[k], strict=True):
             piece = inp[:, pos:pos + b - a]
-            if place:
+            if place and self.device != "cpu" and out is not None:
+                self._place(out, step.out_layouts[0], a, raw, step.in_layouts[k], pos, b - a, rows,
+                            step.in_channels[k], step.length)
+            elif place:
                 out_ds[:, a:b].copy_(piece)
             elif not torch.equal(out_ds[:, a:b], piece):
                 diff = (out_ds[:, a:b] != piece).nonzero()[0].tolist()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .estimate import Calibration, estimate_request
 from .families import ModelSpec, model_spec
 from .findings import ERROR, Context, Finding, run_rules
 from .layout import SideLayout, side_layout
@@ -140,9 +141,10 @@ def _span(s: tuple[int, int] | None) -> list[int] | None:
     return list(s) if s else None
 
 
-def plan_to_dict(plan: Plan) -> dict[str, Any]:
+def plan_to_dict(plan: Plan, *, estimate_with: Calibration | None = None) -> dict[str, Any]:
+    """The plan's JSON form. ``estimate_with`` adds "calibration" and an "estimate" per transfer (hybridpd.estimate)."""
     m = plan.model
-    return {
+    out: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "model": {
             "id": m.model_id, "source": m.source, "family": m.family, "architecture": m.architecture,
@@ -182,3 +184,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "findings": [f.as_dict() for f in plan.findings],
         "ok": plan.ok,
     }
+    if estimate_with is not None:
+        out["calibration"] = estimate_with.as_dict()
+        for td, t in zip(out["transfer"], plan.transfers, strict=True):
+            td["estimate"] = estimate_request(t, estimate_with).as_dict()
+    return out

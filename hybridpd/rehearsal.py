@@ -310,8 +310,12 @@ def inject_fault(s: Setup, v: SourceView) -> SourceView:
     laddr, llen = v.local.addr.copy(), v.local.length.copy()
     if s.inject == "offset":
         step = s.p.page_size_bytes if comp != "FA" else s.p.kernel_page_bytes
-        raddr[rid] += np.uint64(step)
-        what = f"remote descriptor {rid} ({comp}) shifted by one block (+{step:,} B)"
+        # one block up, or down for the last block: NIXL refuses descriptors outside registered memory
+        blk, n = ((rid % v.remote.n_phys, v.remote.n_phys) if comp == "FA"
+                  else ((rid - v.remote.num_fa_descs) % v.remote.n_log, v.remote.n_log))
+        up = blk + 1 < n
+        raddr[rid] = raddr[rid] + np.uint64(step) if up else raddr[rid] - np.uint64(step)
+        what = f"remote descriptor {rid} ({comp}) shifted by one block ({'+' if up else '-'}{step:,} B)"
     else:
         cut = max(1, int(rlen[rid]) // 2)
         rlen[rid] -= np.uint64(cut)
@@ -538,10 +542,17 @@ def run_in_memory(s: Setup) -> list[dict[str, Any]]:
     return out
 
 
-def summarize(s: Setup, per_rank: list[dict[str, Any]], transport: str) -> dict[str, Any]:
+def summarize(s: Setup, per_rank: list[dict[str, Any]], transport: str, memory: str = "DRAM") -> dict[str, Any]:
     t = s.plan.transfer_for(s.isl)
+    ucx = [r.get("ucx") or {} for r in per_rank]
+
+    def union(key: str) -> list[str]:
+        return list(dict.fromkeys(v for u in ucx for v in u.get(key, [])))
+
     return {
-        "mode": "rehearse", "transport": transport, "model": s.plan.model.model_id,
+        "mode": "rehearse", "transport": transport, "memory": memory,
+        "ucx_read_transports": union("read_transports"), "ucx_read_operations": union("read_operations"),
+        "ucx_warnings": union("warnings"), "model": s.plan.model.model_id,
         "vllm_profile": s.plan.profile.name, "ptp": s.p.tp, "dtp": s.d.tp, "isl": s.isl,
         "tokens_transferred": s.n_tok, "logical_blocks": t.logical_blocks, "num_blocks": s.n_log,
         "block_size": s.p.block_size, "page_size_bytes": s.p.page_size_bytes, "seed": s.seed, "inject": s.inject,
@@ -549,3 +560,16 @@ def summarize(s: Setup, per_rank: list[dict[str, Any]], transport: str) -> dict[
         "findings": [f.as_dict() for f in s.plan.findings if f.severity == ERROR],
         "notes": list(s.notes), "per_rank": per_rank, "ok": all(r["ok"] for r in per_rank),
     }
+
+
+def coalesce(local_addr: np.ndarray, remote_addr: np.ndarray, length: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge descriptors that are contiguous on BOTH sides (in local-address order): the what-if of a
+    connector that registers x|B|C|SSM of a DS Mamba page (homogeneous TP) as one range."""
+    if local_addr.size == 0:
+        return local_addr, remote_addr, length
+    order = np.argsort(local_addr, kind="stable")
+    la, ra, ln = local_addr[order], remote_addr[order], length[order]
+    joined = (la[:-1] + ln[:-1] == la[1:]) & (ra[:-1] + ln[:-1] == ra[1:])
+    starts = np.flatnonzero(np.concatenate([[True], ~joined]))
+    return la[starts], ra[starts], np.add.reduceat(ln, starts).astype(ln.dtype)

@@ -137,11 +137,36 @@ def test_cli_numpy_transport_json(tiny_models: dict[str, Path]) -> None:
             "mismatches"} <= set(data["per_rank"][0])
 
 
-def test_cli_device_cuda_refused(tiny_models: dict[str, Path]) -> None:
+def test_cli_device_cuda_without_gpu_is_one_line(tiny_models: dict[str, Path],
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+    from hybridpd_cli.main import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    with pytest.raises(SystemExit) as e:
+        main(["verify", str(tiny_models["nemoh"]), "--rehearse", "--device", "cuda"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--device" in err and "0 CUDA device" in err
+
+
+@pytest.mark.parametrize("spec", ["gpu", "cuda:x", "cuda:0,1,2", "cuda:-1"])
+def test_cli_device_malformed_exit_2(tiny_models: dict[str, Path], spec: str,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
     from hybridpd_cli.main import main
 
     with pytest.raises(SystemExit) as e:
-        main(["verify", str(tiny_models["nemoh"]), "--rehearse", "--device", "cuda"])
+        main(["verify", str(tiny_models["nemoh"]), "--rehearse", "--device", spec])
+    assert e.value.code == 2
+    assert "--device" in capsys.readouterr().err
+
+
+def test_cli_numpy_transport_on_gpu_refused(tiny_models: dict[str, Path]) -> None:
+    from hybridpd_cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["verify", str(tiny_models["nemoh"]), "--rehearse", "--device", "cuda", "--transport", "numpy"])
     assert e.value.code == 2
 
 
@@ -203,6 +228,9 @@ def test_nixl_cli_bundled_nano(capsys: pytest.CaptureFixture[str]) -> None:
     main(["verify", "nano-fp8", "--ptp", "1", "--dtp", "2", "--rehearse", "--json"])  # no SystemExit: exit 0
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] and data["transport"] == "nixl"
+    # UCX's own protocol report names what carried the DRAM READs (cma, or tcp when cma is unavailable)
+    assert data["memory"] == "DRAM" and data["ucx_read_transports"], data
+    assert all("into host memory from host" in op for op in data["ucx_read_operations"])
 
 
 @pytest.mark.integration
