@@ -19,7 +19,9 @@ Measures, in this order, and prints each bandwidth as a fraction of the ceiling:
 4. conversion: ``hybridpd.gpu_transpose.channel_copy`` SD -> DS and DS -> SD (and a TP-4 channel slice)
    on a Nemotron-3-Super conv state, against a device copy of the same bytes.
 
-Everything lands in DIR/bench_gpu.json and DIR/calibration.json.
+Everything lands in DIR/bench_gpu.json and DIR/calibration.json.  ``--regions 1,8`` repeats the sweep over
+that many registered allocations per side (the last is written); ``HYBRIDPD_PIN=1`` pins every rank process
+to its own CPU.  Runs on H200s and what they showed: docs/gpu-h200-2026-11-29.md.
 """
 
 from __future__ import annotations

@@ -85,6 +85,14 @@ def check_devices(pl: Placement) -> None:
                                 field="--device", fix="use --device cpu, or a GPU index below the device count")
 
 
+def _pin(slot: int) -> None:
+    """With ``HYBRIDPD_PIN=1`` each rank process runs on its own CPU (every other one: skips SMT siblings on
+    the usual numbering); slot = P rank, or 8 + D rank.  An experiment knob for the benchmark."""
+    if os.environ.get("HYBRIDPD_PIN") == "1" and hasattr(os, "sched_setaffinity"):
+        n = os.cpu_count() or 1
+        os.sched_setaffinity(0, {(2 * slot) % n})
+
+
 def _env(gpu: bool = False, ucx_log: str | None = None) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -170,6 +178,7 @@ class _Memory:
 def _prefill_main(setup: Setup, rank: int, conn: Any, dev: str = "cpu", ucx_log: str | None = None) -> None:
     try:
         _env(dev != "cpu", ucx_log)
+        _pin(rank)
         from .rehearsal import fill_prefill
 
         memory = _Memory(fill_prefill(setup, rank), dev)
@@ -296,6 +305,7 @@ def _decode_main(setup: Setup, rank: int, conn: Any, repeat: int = 1, pl: Placem
                  ucx_log: str | None = None, bench: bool = False) -> None:
     try:
         _env(pl.on_gpu, ucx_log)
+        _pin(8 + rank)
         from .rehearsal import init_decode, rank_result, transfer_views
 
         memory = _Memory(init_decode(setup), pl.d)
@@ -333,6 +343,19 @@ def _decode_main(setup: Setup, rank: int, conn: Any, repeat: int = 1, pl: Placem
         conn.send(("error", traceback.format_exc()))
 
 
+WARM_S = 0.3
+
+
+def _warm(step: Any, seconds: float = WARM_S) -> None:
+    """Repeat ``step`` for ``seconds`` (at least once) before timing: registration caches and IPC mappings
+    fill on first use, and an idle GPU's clocks take a moment to ramp (per-descriptor cost was seen bimodal,
+    ~5.5 vs ~8 us on an H200, when timing started cold)."""
+    end = time.perf_counter() + seconds
+    step()
+    while time.perf_counter() < end:
+        step()
+
+
 def _bench_variants(reader: _Reader, memory: _Memory, reference: list[Any], n: int) -> dict[str, Any]:
     """The same request as bare NIXL READs (same descriptors, ``initialize_xfer`` once, then re-posted),
     and with descriptors contiguous on both sides coalesced.  Each variant first re-reads into a reset D
@@ -350,6 +373,7 @@ def _bench_variants(reader: _Reader, memory: _Memory, reference: list[Any], n: i
         out[name] = {"descriptors": sum(k for _, k in hs), "read_times_s": [],
                      "identical": all(np.array_equal(a, b) for a, b in zip(memory.host(), reference, strict=True))}
     out["rehearsal"] = {"read_times_s": []}
+    _warm(lambda: (reader.read(), *(reader.post(hs) for hs in handles.values())))
     for _ in range(n):
         out["rehearsal"]["read_times_s"].append(reader.read()[0])
         for name, hs in handles.items():
@@ -477,6 +501,7 @@ def _sweep_prefill(conn: Any, dev: str, sizes: list[int], total: int, max_descs:
         import numpy as np
 
         _env(dev != "cpu")
+        _pin(0)
         nbytes = _sweep_region_bytes(sizes, total, max_descs, regions, 2)
         rng = np.random.default_rng(7)
         mem = _Memory([rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(regions)], dev)
@@ -500,6 +525,7 @@ def _sweep_decode(conn: Any, pl: Placement, sizes: list[int], total: int, max_de
         import numpy as np
 
         _env(pl.on_gpu, ucx_log)
+        _pin(8)
         nbytes = _sweep_region_bytes(sizes, total, max_descs, regions, 1)
         mem = _Memory([np.zeros(nbytes, dtype=np.uint8) for _ in range(regions)], pl.d)
         agent = _agent("sweep-d")
@@ -515,13 +541,14 @@ def _sweep_decode(conn: Any, pl: Placement, sizes: list[int], total: int, max_de
             rd = agent.get_xfer_descs(_nx3(_sweep_addrs(p_bases, n, size, 2), ln, Placement.index(pl.p)),
                                       Placement.mem(pl.p))
             h = agent.initialize_xfer("READ", ld, rd, name, b"")
+            _warm(lambda h=h: _wait(agent, h, agent.transfer(h)))
             times = []
-            for _ in range(repeat + 1):  # the first post warms up (registration caches, IPC mappings)
+            for _ in range(repeat):
                 t0 = time.perf_counter()
                 _wait(agent, h, agent.transfer(h))
                 times.append(time.perf_counter() - t0)
             agent.release_xfer_handle(h)
-            rows.append({"descriptor_bytes": size, "descriptors": n, "bytes": n * size, "times_s": times[1:]})
+            rows.append({"descriptor_bytes": size, "descriptors": n, "bytes": n * size, "times_s": times})
         agent.remove_remote_agent(name)
         agent.deregister_memory(reg)
         conn.send(("result", rows))
