@@ -140,12 +140,19 @@ for _ in range(3):
     t = time.perf_counter(); dst.copy_(src); best = min(best, time.perf_counter() - t)
 print(json.dumps({"seconds": best}))
 """
+
+
 def gpu_bench(device: str, length: int, dim: int, nbytes: int, reps: int) -> dict[str, Any]:
     """Time d2d copy, torch strided copy and channel_copy's variants on one device (see the module doc)."""
     import torch
 
     sys.path.insert(0, str(REPO))
+    from _cuda_timing import best_time  # beside this script
+
     from hybridpd.gpu_transpose import VARIANTS, _torch_copy, channel_copy, triton_available
+
+    if torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))  # the timing events record on the current device
 
     rows = max(1, nbytes // (length * dim * 2))
     sd = torch.randint(-32768, 32767, (rows, length, dim), dtype=torch.int16, device=device)
@@ -153,17 +160,7 @@ def gpu_bench(device: str, length: int, dim: int, nbytes: int, reps: int) -> dic
     out_sd, out_ds, dst = torch.empty_like(sd), torch.empty_like(ds), torch.empty_like(sd)
 
     def timed(fn: Any) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize(device)
-        a, b, best = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 1e9
-        for _ in range(reps):
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            best = min(best, a.elapsed_time(b) / 1e3)
-        return best
+        return best_time(fn, reps)
 
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "bytes": sd.numel() * 2, "rows": rows,
                            "L": length, "C": dim, "triton": triton_available(), "d2d_copy_s": timed(lambda: dst.copy_(sd))}

@@ -37,28 +37,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from _cuda_timing import best_time
+
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 CASES = [  # (label, model, ptp, dtp, block size or None, isl)
     ("Nano 2->2", "nano", 2, 2, None, 8192),
     ("Nano 1->4", "nano", 1, 4, 2096, 8192),
     ("Super 4->4", "super", 4, 4, None, 8192),
 ]
-
-
-def _events_time(fn: Any, repeat: int) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3)
-    return best
 
 
 def _cpu_name() -> str:
@@ -89,12 +75,12 @@ def ceiling(pl: Any, nbytes: int, repeat: int) -> dict[str, Any]:
     src = torch.empty(nbytes, dtype=torch.uint8, device=d).random_(0, 255)
     dst = torch.empty_like(src)
     torch.cuda.set_device(d)
-    t = _events_time(partial(dst.copy_, src), repeat)
+    t = best_time(partial(dst.copy_, src), repeat)
     out: dict[str, Any] = {"bytes": nbytes, "d2d_s": t, "d2d_GBps": nbytes / t / 1e9,
                            "gpu": torch.cuda.get_device_name(d), "torch": torch.__version__}
     if pl.p != pl.d:
         psrc = torch.empty(nbytes, dtype=torch.uint8, device=pl.p).random_(0, 255)
-        tp = _events_time(partial(dst.copy_, psrc), repeat)
+        tp = best_time(partial(dst.copy_, psrc), repeat)
         out.update(peer_s=tp, peer_GBps=nbytes / tp / 1e9)
         del psrc
     del src, dst
@@ -207,14 +193,14 @@ def conversion(pl: Any, nbytes: int, repeat: int) -> dict[str, Any]:
     back = torch.empty_like(sd)
     shard = torch.empty(rows, q, L, dtype=torch.int16, device=dev)
     out: dict[str, Any] = {"rows": rows, "L": L, "C": C, "bytes": sd.numel() * 2}
-    out["d2d_s"] = _events_time(partial(back.copy_, sd), repeat)
-    out["torch_strided_s"] = _events_time(partial(ds.copy_, sd.transpose(1, 2)), repeat)
+    out["d2d_s"] = best_time(partial(back.copy_, sd), repeat)
+    out["torch_strided_s"] = best_time(partial(ds.copy_, sd.transpose(1, 2)), repeat)
     for v in VARIANTS:
-        out[f"sd_to_ds_{v}_s"] = _events_time(partial(channel_copy, ds, DS, 0, sd, SD, 0, C, variant=v), repeat)
+        out[f"sd_to_ds_{v}_s"] = best_time(partial(channel_copy, ds, DS, 0, sd, SD, 0, C, variant=v), repeat)
         assert torch.equal(ds, sd.transpose(1, 2)), f"{v}: SD->DS wrong"
-        out[f"ds_to_sd_{v}_s"] = _events_time(partial(channel_copy, back, SD, 0, ds, DS, 0, C, variant=v), repeat)
+        out[f"ds_to_sd_{v}_s"] = best_time(partial(channel_copy, back, SD, 0, ds, DS, 0, C, variant=v), repeat)
         assert torch.equal(back, sd), f"{v}: DS->SD wrong"
-        out[f"slice_{v}_s"] = _events_time(partial(channel_copy, shard, DS, 0, sd, SD, q, q, variant=v), repeat)
+        out[f"slice_{v}_s"] = best_time(partial(channel_copy, shard, DS, 0, sd, SD, q, q, variant=v), repeat)
         assert torch.equal(shard, sd[:, :, q:2 * q].transpose(1, 2)), f"{v}: slice wrong"
         out[f"slice_{v}_bytes"] = shard.numel() * 2
     del sd, ds, back, shard

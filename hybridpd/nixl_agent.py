@@ -456,13 +456,17 @@ def run_nixl(setup: Setup, *, repeat: int = 1, device: Placement = Placement(),
             res["ucx"] = _ucx_report(logs / f"d{r}.log")
         return results
     finally:
-        for pr in procs:
-            pr.join(timeout=10)
-            if pr.is_alive():
-                pr.terminate()
-                pr.join(timeout=5)
+        _reap(procs)
         if not keep:
             shutil.rmtree(logs, ignore_errors=True)
+
+
+def _reap(procs: list[Any]) -> None:
+    for pr in procs:
+        pr.join(timeout=10)
+        if pr.is_alive():
+            pr.terminate()
+            pr.join(timeout=5)
 
 
 def _ucx_report(path: Path) -> dict[str, Any]:
@@ -586,9 +590,5 @@ def read_sweep(device: Placement, sizes: list[int], *, total: int = 256 << 20, m
             pr.join(timeout=10)
         return {"rows": rows, "ucx": _ucx_report(logs / "d.log")}
     finally:
-        for pr in procs:
-            pr.join(timeout=10)
-            if pr.is_alive():
-                pr.terminate()
-                pr.join(timeout=5)
+        _reap(procs)
         shutil.rmtree(logs, ignore_errors=True)
