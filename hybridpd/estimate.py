@@ -5,10 +5,12 @@ Model (nixl-notes §5): a READ of ``n_desc`` descriptors moving ``bytes`` takes
     t = n_desc × c + bytes / bw
 
 with ``c`` seconds per descriptor and ``bw`` bytes per second, one pair per transport (UCX cuda_ipc on
-VRAM, cma on DRAM, ...).  On one H200 over cuda_ipc the per-descriptor cost (~12 µs) dominates for the
-small conv B/C slices of hybrid models, so the descriptor count matters more than the byte count.
+VRAM, cma on DRAM, ...).  On H200s over cuda_ipc the per-descriptor cost (5-8 µs, docs/gpu-h200-2026-11-29.md)
+dominates for the small conv B/C slices of hybrid models, so the descriptor count matters more than the byte
+count.
 
-The calibration file (``hybridpd/data/calibration.json`` bundled; ``--calibration FILE`` in the CLI)::
+The calibration file (``hybridpd/data/calibration.json`` bundled; ``--calibration FILE`` in the CLI;
+``bench/bench_gpu.py`` writes one), with illustrative values::
 
     {"schema": "hybridpd-calibration/1",
      "entries": [{"name": "cuda_ipc-h200", "transport": "cuda_ipc/cuda", "memory": "VRAM",
