@@ -244,3 +244,13 @@ def test_nixl_cli_granite_tiny_exit_1(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit) as e:
         main(["verify", "granite-tiny", "--ptp", "1", "--dtp", "2", "--rehearse", "--json"])
     assert e.value.code == 1
+
+
+def test_offset_injection_on_the_last_block_stays_in_registered_memory() -> None:
+    """Seed 0, Nano 2->2: the first B descriptor of D rank 0 sits in P's last block; shifting it up would leave
+    the registered tensor (NIXL refuses to prep it), so the fault shifts it down and the check must catch it."""
+    s = make_setup(_plan("nano", 2, 2), inject="offset", inject_rank=0)
+    res = run_in_memory(s)  # numpy copies refuse addresses outside every tensor, like NIXL
+    assert "(-" in res[0]["injected"][0], res[0]["injected"]
+    assert not res[0]["ok"] and res[1]["ok"]
+    assert any("D rank 0: region B" in m for m in res[0]["mismatches"])
