@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 from .convert_io import Source, TensorEntry, Window
 from .convert_plan import SD, Step, StreamPlan
-from .errors import ExternalToolError, UsageError, VerificationFailed
+from .errors import UsageError, VerificationFailed
+from .gpus import require_gpu
 
 DEFAULT_CHUNK = 32 << 20
 _INT = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
@@ -101,11 +102,7 @@ def resolve_device(device: str) -> str:
         return device
     if not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
         raise UsageError(f"unknown device {device!r}", field="--device", fix="use cpu, cuda or cuda:N")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ExternalToolError(f"--device {device}: torch {torch.__version__} sees no CUDA device",
-                                field="--device", fix="use --device cpu, or install a CUDA build of torch")
+    require_gpu(int(device[5:]) if ":" in device else 0, device)
     return device
 
 

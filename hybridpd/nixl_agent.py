@@ -23,6 +23,7 @@ from typing import Any
 
 from . import ucx_info
 from .errors import ExternalToolError, UsageError
+from .gpus import require_gpu
 from .rehearsal import Setup
 
 TIMEOUT_S = 180.0
@@ -71,18 +72,8 @@ def parse_device(spec: str) -> Placement:
 
 def check_devices(pl: Placement) -> None:
     """Fail in the parent, with one line, when the GPUs asked for are not there."""
-    if not pl.on_gpu:
-        return
-    try:
-        import torch
-    except ImportError:
-        raise ExternalToolError("--device cuda needs torch with CUDA", field="--device",
-                                fix="install a CUDA build of torch, or use --device cpu") from None
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    need = max(Placement.index(pl.p), Placement.index(pl.d))
-    if need >= n:
-        raise ExternalToolError(f"{pl.describe()} asked for, torch {torch.__version__} sees {n} CUDA device(s)",
-                                field="--device", fix="use --device cpu, or a GPU index below the device count")
+    if pl.on_gpu:
+        require_gpu(max(Placement.index(pl.p), Placement.index(pl.d)), pl.p if pl.p == pl.d else f"{pl.p},{pl.d}")
 
 
 def _pin(slot: int) -> None:
