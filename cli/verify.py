@@ -68,28 +68,23 @@ def verify(model: str, rehearse: bool, isl: int | None, seed: int, inject: str |
         if decode_url or prefill_url or proxy_url or passive:
             raise UsageError("--rehearse cannot be combined with live options", field="--rehearse")
         data = _rehearse(plan, kw["num_blocks"], isl, seed, inject, inject_rank, transport, max_rank_bytes, device)
-        if out == "json":
-            emit_json(data)
-        else:
-            emit_report(render_rehearsal(data), out)
-        if not data["ok"]:
-            raise SystemExit(1)
-        return
-    if not decode_url:
+        render = render_rehearsal
+    elif not decode_url:
         raise UsageError("choose a mode: --rehearse, or --decode URL for a live deployment", field="verify",
                          fix="add --rehearse")
-    from hybridpd import live
-
-    name = served_model_name or model
-    if passive:
-        data = live.run_passive(decode_url, plan, window)
     else:
-        data = live.run_probes(decode_url, plan, name, isls=[isl] if isl else None, prefill_url=prefill_url,
-                               proxy_url=proxy_url, token_ids=prompt_tokens)
+        from hybridpd import live
+
+        if passive:
+            data = live.run_passive(decode_url, plan, window)
+        else:
+            data = live.run_probes(decode_url, plan, served_model_name or model, isls=[isl] if isl else None,
+                                   prefill_url=prefill_url, proxy_url=proxy_url, token_ids=prompt_tokens)
+        render = render_live
     if out == "json":
         emit_json(data)
     else:
-        emit_report(render_live(data), out)
+        emit_report(render(data), out)
     if not data["ok"]:
         raise SystemExit(1)
 

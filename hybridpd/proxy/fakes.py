@@ -211,23 +211,27 @@ class FakePrefill(_Base):
         self.ledger.issue(rid, params)
         if self.mode == "null_kv":
             params = None
-        chat = "messages" in body
-        choice: dict[str, Any] = (
-            {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}
-            if chat
-            else {"index": 0, "text": "x", "logprobs": None, "finish_reason": "length"}
-        )
-        return web.json_response(
-            {
-                "id": f"cmpl-{rid}",
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": self.model,
-                "choices": [choice],
-                "usage": {"prompt_tokens": len(key), "completion_tokens": 1, "total_tokens": len(key) + 1},
-                "kv_transfer_params": params,
-            }
-        )
+        return web.json_response(_completion(rid, self.model, "messages" in body, "x", len(key), 1, params))
+
+
+def _completion(rid: str, model: str, chat: bool, text: str, prompt_tokens: int, completion_tokens: int,
+                kv: Any) -> dict[str, Any]:
+    """A non-streamed OpenAI completion (or chat completion) body as vLLM returns it."""
+    choice: dict[str, Any] = (
+        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+        if chat
+        else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+    )
+    return {
+        "id": f"cmpl-{rid}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+        "kv_transfer_params": kv,
+    }
 
 
 @dataclass
@@ -277,24 +281,8 @@ class FakeDecode(_Base):
                 if self.mode != "drop_mid_stream":
                     self._observed_cancel()
                 raise
-        text = expected_text(key, int(n))
-        choice: dict[str, Any] = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
-            if chat
-            else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
-        )
-        return web.json_response(
-            {
-                "id": f"cmpl-{rid}",
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": self.model,
-                "choices": [choice],
-                "usage": {"prompt_tokens": len(key), "completion_tokens": n, "total_tokens": len(key) + n},
-                "kv_transfer_params": None,
-                "fake": fake,
-            }
-        )
+        body_out = _completion(rid, self.model, chat, expected_text(key, int(n)), len(key), n, None)
+        return web.json_response({**body_out, "fake": fake})
 
     async def _stream(
         self, request: web.Request, body: dict[str, Any], key: str, n: int, chat: bool, fake: dict[str, Any]
