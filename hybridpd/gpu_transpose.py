@@ -23,6 +23,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
+from .layout import cdiv
+
 SD, DS = "SD", "DS"
 VARIANTS = ("flat", "tile")
 DEFAULT_VARIANT = "flat"
@@ -84,10 +86,6 @@ def _torch_copy(out: Any, out_layout: str, out_c0: int, inp: Any, in_layout: str
     o[:, out_c0:out_c0 + n].copy_(i[:, in_c0:in_c0 + n])
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
@@ -97,13 +95,13 @@ def _launch(kernels: tuple[Any, Any], variant: str, out: Any, out_sd: bool, out_
     flat, tile = kernels
     if variant == "flat":
         block = min(_BLOCK, max(128, _pow2(n if out_sd else n * L)))
-        nbc = _cdiv(n, block)  # SD output: channel blocks per position
-        nb = L * nbc if out_sd else _cdiv(n * L, block)
+        nbc = cdiv(n, block)  # SD output: channel blocks per position
+        nb = L * nbc if out_sd else cdiv(n * L, block)
         kernel, meta = flat, {"L": L, "BLOCK": block, "num_warps": 4}
     else:
         lp = _pow2(L)
         block = min(max(16, _BLOCK // lp), max(16, _pow2(n)))
-        nbc = nb = _cdiv(n, block)
+        nbc = nb = cdiv(n, block)
         kernel, meta = tile, {"L": L, "LP": lp, "BLOCK_C": block, "num_warps": 4}
     per = max(1, _GRID_MAX // nb)  # rows per launch
     for r0 in range(0, rows, per):
