@@ -2,28 +2,95 @@
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any, TypeVar
 
 import click
 
-from hybridpd.settings import KV_DTYPES, MAMBA_DTYPES, EngineSettings, parse_size
+from hybridpd.profiles import versions_help
+from hybridpd.settings import KV_DTYPES, MAMBA_DTYPES, EngineSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# Upper bounds on flags: far above any real deployment, low enough that nothing runs for ever or eats memory
+# (plan's work grows with TP x layers; ISLs and block counts are plain integers but stay printable).
+MAX_TP = 1024
+MAX_BYTES = 1 << 50  # 1 PiB
+MAX_TOKENS = 1 << 24  # ISL, --max-model-len: 16,777,216 tokens
+MAX_ISLS = 64
+MAX_BLOCK_SIZE = 1 << 20
+MAX_NUM_BLOCKS = 1 << 22
+MAX_SPEC_TOKENS = 256
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d{1,3}))?\s*([kKmMgGtTpP]?)(i?)([bB]?)\s*")
+_UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
+
+
+def parse_byte_size(text: str, *, field: str = "size", max_bytes: int = MAX_BYTES) -> int:
+    """'141GB' (10^9), '80GiB' (2^30), '512MiB', '1.5e9B' -> bytes. A unit is required: a bare '141' is refused."""
+    from hybridpd.errors import UsageError
+
+    m = _SIZE_RE.fullmatch(str(text))
+    if not m:
+        raise UsageError(f"cannot parse size {str(text)[:40]!r}", field=field, fix="write e.g. 141GB, 80GiB or 512MiB")
+    digits, exp, unit, binary, b = m.groups()
+    if not unit and not b:
+        n = str(text).strip() if not exp and len(digits) <= 12 else "141"
+        raise UsageError(f"size {n!r} has no unit", field=field,
+                         fix=f"write {n}GB (10^9 bytes), {n}GiB (2^30 bytes) or {n}B (bytes)")
+    if binary and not unit:
+        raise UsageError(f"cannot parse size {text.strip()!r}", field=field, fix="write e.g. 141GB, 80GiB or 512MiB")
+    num = Fraction(digits) * Fraction(10) ** int(exp or 0) * (1024 if binary else 1000) ** _UNITS[unit.upper()]
+    if num > max_bytes:
+        raise UsageError(f"size {text.strip()!r} is more than {max_bytes:,} bytes (1 PiB)", field=field,
+                         fix="give the memory of one device, e.g. 141GB")
+    return int(num)
+
+
 class ByteSize(click.ParamType):
+    """A memory size with a unit (141GB, 80GiB, 512MiB); bare numbers, inf/nan and more than 1 PiB are refused."""
+
     name = "SIZE"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
         from hybridpd.errors import UsageError
 
         try:
-            return parse_size(value, field=param.opts[0] if param else "size")
+            return parse_byte_size(value, field="")  # click names the option
         except UsageError as e:
             self.fail(str(e), param, ctx)
+
+
+class BoundedInt(click.IntRange):
+    """click.IntRange that also refuses more than 30 digits before converting (no int-string limit traceback)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and len(value.strip()) > 30:
+            self.fail(f"{value[:20]!r}... is not a valid integer in range {self._describe_range()}", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def TPSize() -> BoundedInt:  # noqa: N802 - reads like a type at the call site
+    """A tensor-parallel size, 1..MAX_TP."""
+    t = BoundedInt(1, MAX_TP)
+    t.name = "TP"
+    return t
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that refuses nan and inf (click lets nan through every range check)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
 
 
 class ModelArg(click.ParamType):
@@ -37,28 +104,45 @@ class ModelArg(click.ParamType):
         return [CompletionItem(c) for c in completion_candidates() if c.startswith(incomplete)]
 
 
+_ISL_RE = re.compile(r"(\d{1,30}(?:\.\d{0,6})?|\.\d{1,6})\s*([kK]?)")
+
+
+def parse_isls(value: str, *, max_tokens: int = MAX_TOKENS) -> tuple[int, ...]:
+    """'1024,8k,1.5k' -> (1024, 8192, 1536); each in 1..max_tokens, at most MAX_ISLS of them."""
+    parts = [x.strip() for x in value.split(",")]
+    if len(parts) > MAX_ISLS:
+        raise click.BadParameter(f"{len(parts)} input lengths; at most {MAX_ISLS}")
+    out = []
+    for part in parts:
+        m = _ISL_RE.fullmatch(part)
+        if not m:
+            raise click.BadParameter(f"{part[:20]!r} is not a token count: use comma-separated token counts, "
+                                     "e.g. 1024,8k,32k (k = 1024)")
+        n = Fraction(m.group(1)) * (1024 if m.group(2) else 1)
+        if n.denominator != 1:
+            raise click.BadParameter(f"{part!r} is {float(n):g} tokens, not a whole number")
+        if not 1 <= n <= max_tokens:
+            raise click.BadParameter(f"{part!r} = {int(n):,} tokens is outside 1..{max_tokens:,}")
+        out.append(int(n))
+    return tuple(out)
+
+
 def isl_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    """--isl; the model's own limit (max_model_len) is checked by build_plan, which knows the model."""
     if not value:
         return None
-    try:
-        out = tuple(int(float(v[:-1]) * 1024) if v.lower().endswith("k") else int(v)
-                    for v in (x.strip() for x in value.split(",")))
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: use comma-separated token counts, e.g. 1024,8k,32k") from None
-    if any(v < 1 for v in out):
-        raise click.BadParameter("input lengths must be >= 1")
-    return out
+    return parse_isls(value)
 
 
 def engine_options(func: F) -> F:
     """The `vllm serve` flags that shape the layout, for both sides of the pair."""
     opts = [
-        click.option("--ptp", type=click.IntRange(min=1), default=1, show_default=True, help="Prefill TP size."),
-        click.option("--dtp", type=click.IntRange(min=1), default=1, show_default=True, help="Decode TP size."),
-        click.option("--block-size", type=click.IntRange(min=1), default=None,
+        click.option("--ptp", type=TPSize(), default=1, show_default=True, help="Prefill TP size."),
+        click.option("--dtp", type=TPSize(), default=1, show_default=True, help="Decode TP size."),
+        click.option("--block-size", type=BoundedInt(1, MAX_BLOCK_SIZE), default=None,
                      help="--block-size for both sides (default: backend/platform choice)."),
-        click.option("--p-block-size", type=click.IntRange(min=1), default=None, help="Override for P only."),
-        click.option("--d-block-size", type=click.IntRange(min=1), default=None, help="Override for D only."),
+        click.option("--p-block-size", type=BoundedInt(1, MAX_BLOCK_SIZE), default=None, help="Override for P only."),
+        click.option("--d-block-size", type=BoundedInt(1, MAX_BLOCK_SIZE), default=None, help="Override for D only."),
         click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES), default="auto", show_default=True),
         click.option("--mamba-cache-dtype", type=click.Choice(MAMBA_DTYPES), default="auto", show_default=True),
         click.option("--mamba-ssm-cache-dtype", type=click.Choice(MAMBA_DTYPES), default="auto", show_default=True),
@@ -68,20 +152,21 @@ def engine_options(func: F) -> F:
                      default=None, help="Default: flash_attn (cuda) / cpu_attn (cpu)."),
         click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
                      help="Default: vLLM's default for the version (0.32: on for hybrid)."),
-        click.option("--num-speculative-tokens", type=click.IntRange(min=0), default=0, show_default=True),
-        click.option("--max-model-len", type=click.IntRange(min=1), default=None),
+        click.option("--num-speculative-tokens", type=BoundedInt(0, MAX_SPEC_TOKENS), default=0, show_default=True),
+        click.option("--max-model-len", type=BoundedInt(1, MAX_TOKENS), default=None),
         click.option("--gpu-memory", type=ByteSize(), default=None, help="Device memory, e.g. 141GB."),
-        click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=0.9,
+        click.option("--gpu-memory-utilization", type=FiniteFloatRange(0, 1, min_open=True), default=0.9,
                      show_default=True),
         click.option("--weights-memory", type=ByteSize(), default=None,
                      help="Weights per rank to subtract from --gpu-memory (default: not subtracted, upper bound)."),
         click.option("--kv-cache-memory", type=ByteSize(), default=None, help="KV-cache budget per rank."),
-        click.option("--num-blocks", type=click.IntRange(min=1), default=None, help="Logical blocks per rank."),
+        click.option("--num-blocks", type=BoundedInt(1, MAX_NUM_BLOCKS), default=None, help="Logical blocks per rank."),
         click.option("--conv-layout", type=click.Choice(["DS", "SD"]), default="DS", show_default=True,
                      help="VLLM_SSM_CONV_STATE_LAYOUT."),
         click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=False),
-        click.option("--vllm-version", default=None, help="vLLM release, e.g. 0.20, 0.22.1, 0.32 "
-                                                          "(default: installed vLLM, else newest profile)."),
+        click.option("--vllm-version", default=None, metavar="X.Y[.Z]", shell_complete=_complete_versions,
+                     help=f"vLLM release to plan for; verified: {versions_help()} (a newer release is planned with "
+                          "the newest profile and a warning). Default: the installed vLLM, else the newest profile."),
         click.option("--platform", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True),
         click.option("--cpu-avx512-bf16/--no-cpu-avx512-bf16", default=None,
                      help="--platform cpu: whether the target host has avx512_bf16 (vLLM then keeps the SSM "
@@ -94,6 +179,31 @@ def engine_options(func: F) -> F:
     return func
 
 
+def _complete_versions(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
+    from hybridpd.profiles import PROFILES
+
+    return [p.name for p in PROFILES if p.name.startswith(incomplete)]
+
+
+def _host_flag(given: bool | None, name: str) -> bool:
+    """A CPU flag of the target host: the flag's value, else this host's (read once, here at the edge)."""
+    if given is not None:
+        return given
+    from hybridpd.host import cpu_flags
+
+    return bool(getattr(cpu_flags(), name))
+
+
+def target_from(kw: dict[str, Any], *, installed: str | None = None, installed_source: str = "installed vLLM") -> Any:
+    """The vLLM release a command targets: --vllm-version, else the installed vLLM, else the newest profile."""
+    from hybridpd.host import installed_vllm_version
+    from hybridpd.profiles import resolve_target
+
+    if installed is None:
+        installed = installed_vllm_version()
+    return resolve_target(kw["vllm_version"], installed=installed, installed_source=installed_source)
+
+
 def settings_from(kw: dict[str, Any]) -> tuple[EngineSettings, EngineSettings]:
     common = dict(
         kv_cache_dtype=kw["kv_cache_dtype"], mamba_cache_dtype=kw["mamba_cache_dtype"],
@@ -103,7 +213,7 @@ def settings_from(kw: dict[str, Any]) -> tuple[EngineSettings, EngineSettings]:
         num_blocks=kw["num_blocks"], kv_cache_memory=kw["kv_cache_memory"], gpu_memory=kw["gpu_memory"],
         gpu_memory_utilization=kw["gpu_memory_utilization"], weights_memory=kw["weights_memory"] or 0,
         disable_hybrid_kv_cache_manager=kw["disable_hybrid_kv_cache_manager"], conv_layout=kw["conv_layout"],
-        cpu_avx512_bf16=kw["cpu_avx512_bf16"])
+        cpu_avx512_bf16=_host_flag(kw["cpu_avx512_bf16"], "avx512_bf16"), cpu_amx_tile=_host_flag(None, "amx_tile"))
     p = EngineSettings(tp=kw["ptp"], block_size=kw["p_block_size"] or kw["block_size"], **common)
     d = EngineSettings(tp=kw["dtp"], block_size=kw["d_block_size"] or kw["block_size"], **common)
     return p, d
