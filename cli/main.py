@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("hybridpd_cli.serve", "serve", "Launch P/D vLLM pairs and the routing proxy."),
     "convert": ("hybridpd_cli.convert", "convert", "Convert Mamba conv state between SD and DS layouts / TP shards."),
     "models": ("hybridpd_cli.models", "models", "List bundled models and their P/D support per vLLM version."),
+    "diff": ("hybridpd_cli.diff", "diff", "What changes between two plans (an upgrade, TP, block size, dtype)."),
     "doctor": ("hybridpd_cli.doctor", "doctor", "Check this machine for what a P/D launch needs."),
     "completions": ("hybridpd_cli.completions", "completions", "Print the shell completion script."),
 }
