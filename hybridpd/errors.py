@@ -37,6 +37,10 @@ class UnsupportedVersion(UsageError):
     """No behaviour profile covers the requested vLLM version."""
 
 
+class OutputError(HybridPDError):
+    """An output file could not be written (disk full, read-only, permissions); the message says what was written."""
+
+
 class VerificationFailed(HybridPDError):
     """Expected and moved bytes differ."""
 

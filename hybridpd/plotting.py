@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .errors import ExternalToolError
-from .fsutil import atomic_target
+from .fsutil import atomic_target, output_target
 
 if TYPE_CHECKING:
     from .plan import Plan
 
 
 def plot_transfer(plan: Plan, path: str) -> None:
+    output_target(path, field="--plot")  # refuse a directory, device or dangling link before any work
     try:
         import matplotlib
 
@@ -38,7 +39,7 @@ def plot_transfer(plan: Plan, path: str) -> None:
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     try:
-        with atomic_target(path, suffix=".png") as tmp:
+        with atomic_target(path, suffix=".png", field="--plot") as tmp:
             fig.savefig(tmp, format="png", dpi=110)
     finally:
         plt.close(fig)
