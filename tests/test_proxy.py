@@ -99,15 +99,28 @@ def test_chat_streaming_and_max_completion_tokens() -> None:
     run(go())
 
 
-def test_client_request_id_is_used_on_both_legs_and_bad_ones_replaced() -> None:
+def test_pairing_id_is_the_proxys_own_and_the_client_id_is_kept_for_correlation() -> None:
     async def go() -> None:
-        async with harness() as h:
+        async with harness(decode_kw={"mode": "hold"}) as h:
+            # two requests in flight with the SAME client id: each must get its own P/D pairing id
+            first = asyncio.ensure_future(h.post("/v1/completions", {**COMPLETION, "stream": True},
+                                                 headers={"X-Request-Id": "client-42"}))
+            await asyncio.wait_for(h.d.holding.wait(), 30)
+            h.d.mode = "ok"
             status, headers, _ = await h.post("/v1/completions", COMPLETION, headers={"X-Request-Id": "client-42"})
-            assert status == 200 and headers["X-Request-Id"] == "client-42"
-            assert h.p.received[0].headers["X-Request-Id"] == h.d.received[0].headers["X-Request-Id"] == "client-42"
+            h.d.release.set()
+            status1, headers1, _ = await first
+            assert status == status1 == 200
+            assert headers["X-Request-Id"] == headers1["X-Request-Id"] == "client-42"
+            pairing = [seen.headers["X-Request-Id"] for seen in h.p.received]
+            assert len(set(pairing)) == 2 and "client-42" not in pairing
+            assert all(str(uuid.UUID(rid)) == rid for rid in pairing)
+            assert sorted(pairing) == sorted(seen.headers["X-Request-Id"] for seen in h.d.received)
+            assert {headers["X-HybridPD-Pairing-Id"], headers1["X-HybridPD-Pairing-Id"]} == set(pairing)
+            # an implausible client id is not echoed; the response carries the pairing id instead
             status, headers, _ = await h.post("/v1/completions", COMPLETION, headers={"X-Request-Id": "has space"})
-            assert status == 200 and headers["X-Request-Id"] != "has space"
-            assert h.p.received[1].headers["X-Request-Id"] == headers["X-Request-Id"]
+            assert status == 200 and headers["X-Request-Id"] == headers["X-HybridPD-Pairing-Id"]
+            assert h.p.received[-1].headers["X-Request-Id"] == headers["X-Request-Id"]
             assert_paired(h)
 
     run(go())
@@ -197,7 +210,9 @@ def test_api_key_required_and_never_forwarded() -> None:
                                         headers={"Authorization": "Bearer client-secret"})
             assert status == 200
             assert "Authorization" not in h.p.received[0].headers and "Authorization" not in h.d.received[0].headers
-            assert (await h.get("/health"))[0] == 200 and (await h.get("/metrics"))[0] == 200
+            assert (await h.get("/health"))[0] == 200
+            assert (await h.get("/metrics"))[0] == 401  # it names the backends: behind the key
+            assert (await h.get("/metrics", headers={"Authorization": "Bearer client-secret"}))[0] == 200
 
         async with harness(api_key="client-secret", backend_api_key="backend-secret") as h:
             status, _, _ = await h.post("/v1/completions", COMPLETION,
@@ -235,7 +250,7 @@ def test_prefill_dying_is_502_then_503_once_ejected() -> None:
             url = h.state.prefill.backends[0].url
             status, _, raw = await h.post("/v1/completions", COMPLETION)
             err = error_of(raw)
-            assert status == 502 and err["code"] == "prefill_unreachable" and url in err["message"]
+            assert status == 502 and err["code"] == "prefill_unreachable" and url not in err["message"]
             assert not h.state.prefill.backends[0].healthy
             status, _, raw = await h.post("/v1/completions", COMPLETION)
             assert status == 503 and error_of(raw)["code"] == "no_healthy_prefill_backend"
@@ -272,16 +287,21 @@ def test_refused_prefill_fails_over_to_the_next_and_is_readmitted_by_health_prob
     run(go())
 
 
-def test_prefill_500_is_502_quoting_upstream_status() -> None:
+def test_prefill_500_is_502_quoting_upstream_status_but_not_its_text() -> None:
     async def go() -> None:
         async with harness(prefill_kw={"mode": "error_500"}) as h:
             for body in (COMPLETION, {**COMPLETION, "stream": True}):
                 status, _, raw = await h.post("/v1/completions", body)
                 err = error_of(raw)
                 assert status == 502 and err["code"] == "prefill_upstream_error"
-                assert "HTTP 500" in err["message"] and "EngineCore died" in err["message"]
+                assert "HTTP 500" in err["message"] and "EngineCore died" not in err["message"]
+                assert "127.0.0.1" not in raw.decode()
             assert h.d.received == [] and h.state.prefill.backends[0].healthy  # a 5xx is not an ejection
             assert h.metric("hybridpd_proxy_upstream_errors_total", {"leg": "prefill", "kind": "http_5xx"}) == 2
+        async with harness(prefill_kw={"mode": "error_500"}, expose_backend_errors=True) as h:
+            status, _, raw = await h.post("/v1/completions", COMPLETION)
+            message = error_of(raw)["message"]
+            assert status == 502 and "EngineCore died" in message and h.state.prefill.backends[0].url in message
 
     run(go())
 
@@ -357,7 +377,7 @@ def test_decode_500_is_502() -> None:
             for body in (COMPLETION, {**COMPLETION, "stream": True}):
                 status, _, raw = await h.post("/v1/completions", body)
                 err = error_of(raw)
-                assert status == 502 and "HTTP 500" in err["message"] and "KV load failed" in err["message"]
+                assert status == 502 and "HTTP 500" in err["message"] and "KV load failed" not in err["message"]
 
     run(go())
 
@@ -393,39 +413,36 @@ def test_decode_stream_without_done_gets_an_error_event() -> None:
     run(go())
 
 
-def test_non_sse_stream_dropped_by_decode_is_cut_for_the_client_too() -> None:
-    """No in-band error is possible outside SSE: the proxy cuts the client connection (truncation is visible)."""
+def test_non_sse_answer_to_a_stream_is_502() -> None:
+    """A streaming request answered with something other than text/event-stream breaks the protocol: 502, and
+    nothing of that body reaches the client (the old proxy relayed it raw with D's status)."""
 
     async def go() -> None:
         ledger = KVLedger()
         p = FakePrefill(ledger)
 
-        async def ndjson_then_die(request: web.Request) -> web.StreamResponse:
+        async def ndjson(request: web.Request) -> web.StreamResponse:
             await request.json()
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
             await resp.prepare(request)
             await resp.write(b'{"a": 1}\n')
-            await asyncio.sleep(0.05)
-            assert request.transport is not None
-            request.transport.abort()
-            await asyncio.sleep(3600)
+            await resp.write_eof()
             return resp
 
         async def health(request: web.Request) -> web.Response:
             return web.Response()
 
         d_app = web.Application()
-        d_app.router.add_post("/v1/completions", ndjson_then_die)
+        d_app.router.add_post("/v1/completions", ndjson)
         d_app.router.add_get("/health", health)
         ps, ds = await start_server(p.make_app()), await start_server(d_app)
         proxy = await start_server(build_app(ProxyConfig(prefill_urls=(ps.url,), decode_urls=(ds.url,))))
         try:
             async with aiohttp.ClientSession() as client:
                 async with client.post(proxy.url + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
-                    assert r.status == 200 and r.content_type == "application/x-ndjson"
-                    assert await r.content.readline() == b'{"a": 1}\n'
-                    with pytest.raises(aiohttp.ClientPayloadError):
-                        await r.read()
+                    raw = await r.read()
+                    assert r.status == 502 and error_of(raw)["code"] == "decode_invalid_response"
+                    assert b'"a"' not in raw
         finally:
             for server in (proxy, ps, ds):
                 await server.close()

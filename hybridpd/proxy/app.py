@@ -18,6 +18,13 @@ Error mapping (OpenAI-style body ``{"error": {"message", "type", "code", "param"
 * 504 P slower than ``prefill_timeout_s``; D sent no byte within ``decode_first_byte_timeout_s`` (streams) or did
   not finish within ``decode_timeout_s`` (non-streaming).
 * A backend's own 4xx (bad model name, prompt too long...) is passed through unchanged: it is the client's fault.
+* Client errors never quote backend URLs or backend error text (those go to the log, with the request's ids);
+  ``expose_backend_errors`` appends them for debugging. An answer that breaks the protocol (non-JSON from D,
+  a non-SSE body for a stream, a ``data:`` line that is not JSON) is 502 / an error event, never relayed.
+* Request ids: every request gets a proxy-generated pairing id, sent to P and D as ``X-Request-Id`` (it ties
+  P's KV to D's read, so it must be unique in flight). A client's valid ``X-Request-Id`` is kept for
+  correlation: echoed in the response's ``X-Request-Id`` and logged next to the pairing id, which the response
+  carries as ``X-HybridPD-Pairing-Id``.
 * Once a stream has started the status cannot change: if D dies, stalls or ends without ``data: [DONE]``, the
   client gets the complete events relayed so far, then one ``data: {"error": {...}}`` event, and the stream ends
   WITHOUT ``data: [DONE]`` (OpenAI SDKs raise on the error event; others see a truncated stream).
@@ -35,6 +42,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import re
 import signal
 import time
@@ -61,11 +69,14 @@ from hybridpd.proxy.errors import (
     error_body,
     sse_error_event,
 )
+from hybridpd.proxy.guard import GuardedSite, default_max_connections
+from hybridpd.proxy.kvwatch import KV_LEASE_COUNTERS, Handover, LeaseWatch, parse_counters
 from hybridpd.proxy.metrics import ProxyMetrics
 from hybridpd.proxy.pool import Backend, BackendPool
 from hybridpd.proxy.protocol import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
+    SSEError,
     SSEFramer,
     decode_request,
     fields_to_restore,
@@ -80,6 +91,7 @@ log = logging.getLogger("hybridpd.proxy")
 _REQUEST_ID_RE: Final = re.compile(r"[\x21-\x7e]{1,256}")
 _FORWARDED_HEADERS: Final = ("traceparent", "tracestate")
 _MODELS_TIMEOUT_S: Final = 30.0
+_TOKENIZER_ROUTES: Final = frozenset({"/tokenize", "/detokenize"})
 _CONNECT_ERRORS: Final[tuple[type[BaseException], ...]] = (aiohttp.ClientConnectorError,) + (
     (aiohttp.ConnectionTimeoutError,) if hasattr(aiohttp, "ConnectionTimeoutError") else ()
 )
@@ -90,11 +102,28 @@ def _dumps(body: Any) -> bytes:
 
 
 def _json_response(status: int, payload: Any, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=_dumps(payload), content_type="application/json", headers=headers)
+    # ASCII escapes: error bodies may quote client input, which can hold lone surrogates
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
 
 def _error_response(exc: ProxyError) -> web.Response:
-    return _json_response(exc.status, exc.to_dict(), headers=exc.headers or None)
+    response = _json_response(exc.status, exc.to_dict(), headers=exc.headers or None)
+    if exc.status == 408:
+        response.force_close()  # the rest of the body may still be on its way: do not parse it as a request
+    return response
+
+
+def _encode(body: Any) -> bytes:
+    """A request body for a backend; a client string that cannot be UTF-8 (a lone surrogate such as
+    ``"\\ud800"``, valid JSON but not valid Unicode) is the client's error."""
+    try:
+        return _dumps(body)
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"request body holds a string that is not valid Unicode ({exc.reason})",
+                          code="invalid_unicode") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply", code="invalid_json") from None
 
 
 def _snippet(raw: bytes, limit: int = 300) -> str:
@@ -113,11 +142,19 @@ def _snippet(raw: bytes, limit: int = 300) -> str:
     return (text[:limit] + "...") if len(text) > limit else (text or "<empty body>")
 
 
-def _request_id(request: web.Request) -> str:
+def _client_request_id(request: web.Request) -> str | None:
+    """The client's ``X-Request-Id`` if it is a plausible id (printable ASCII, <= 256 chars), else None."""
     given = request.headers.get("X-Request-Id")
-    if given is not None and _REQUEST_ID_RE.fullmatch(given):
-        return given
-    return str(uuid.uuid4())
+    return given if given is not None and _REQUEST_ID_RE.fullmatch(given) else None
+
+
+def _id_headers(pairing_id: str, client_id: str | None) -> dict[str, str]:
+    return {"X-Request-Id": client_id or pairing_id, "X-HybridPD-Pairing-Id": pairing_id}
+
+
+def _client_note(ids: dict[str, str]) -> str:
+    client = ids["X-Request-Id"]
+    return "" if client == ids["X-HybridPD-Pairing-Id"] else f" (client id {client})"
 
 
 def _route_label(request: web.Request) -> str:
@@ -145,8 +182,11 @@ class ProxyState:
             healthy_after=config.healthy_after,
         )
         self.metrics = ProxyMetrics((self.prefill, self.decode))
+        self.leases = LeaseWatch()
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._probe_round: asyncio.Task[None] | None = None
+        self._last_probe = -math.inf
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -187,8 +227,55 @@ class ProxyState:
                 log.exception("health probe round failed")
 
     async def probe_all(self) -> None:
-        """One round of ``GET /health`` on every backend, concurrently."""
-        await asyncio.gather(*(self._probe(pool, b) for pool in (self.prefill, self.decode) for b in pool.backends))
+        """One round of ``GET /health`` on every backend (and of P's KV-lease counters), concurrently.
+        Concurrent callers share one round."""
+        task = self._probe_round
+        if task is None or task.done():
+            task = self._probe_round = asyncio.ensure_future(self._probe_all())
+        await asyncio.shield(task)
+
+    async def _probe_all(self) -> None:
+        started = asyncio.get_running_loop().time()
+        jobs = [self._probe(pool, b) for pool in (self.prefill, self.decode) for b in pool.backends]
+        if self.config.watch_kv_leases:
+            jobs += [self._scrape_leases(b) for b in self.prefill.backends]
+        await asyncio.gather(*jobs)
+        self._last_probe = started
+
+    async def _scrape_leases(self, backend: Backend) -> None:
+        """P's KV-lease counters -> proxy counter + a warning on increase (see ``kvwatch``)."""
+        if not backend.healthy:
+            return
+        cfg = self.config
+        timeout = aiohttp.ClientTimeout(total=cfg.health_timeout_s,
+                                        sock_connect=min(cfg.connect_timeout_s, cfg.health_timeout_s))
+        try:
+            async with self.session.get(backend.url + "/metrics", headers=self._auth_headers(), timeout=timeout) as r:
+                if r.status != 200:
+                    return
+                text = (await r.read()).decode("utf-8", "replace")
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
+            return
+        deltas = self.leases.update(backend.url, parse_counters(text))
+        if not deltas:
+            if backend.url in self.leases.last:
+                self.leases.forget_recent(backend.url)
+            return
+        for name, delta in deltas.items():
+            self.metrics.kv_lease_expired.labels(backend.url, KV_LEASE_COUNTERS[name]).inc(delta)
+        candidates = self.leases.take_candidates(backend.url)
+        named = ", ".join(
+            f"{h.pairing_id}" + (f" (client id {h.client_id})" if h.client_id else "") + f" {h.seconds:.2f} s"
+            for h in candidates
+        )
+        log.warning(
+            "KV lease expired on prefill backend %s: %s. Decode may have read KV blocks P had already freed "
+            "(HTTP 200, possibly wrong output). Slowest handovers since the last check: %s. Raise "
+            "kv_lease_duration in kv_connector_extra_config or find out why decode reads late.",
+            backend.url,
+            "; ".join(f"{name} +{delta:g}" for name, delta in deltas.items()),
+            named or "none seen by this proxy",
+        )
 
     async def _probe(self, pool: BackendPool, backend: Backend) -> None:
         cfg = self.config
@@ -196,6 +283,7 @@ class ProxyState:
             total=cfg.health_timeout_s, sock_connect=min(cfg.connect_timeout_s, cfg.health_timeout_s)
         )
         error: str | None = None
+        refused = False
         try:
             async with self.session.get(backend.url + "/health", headers=self._auth_headers(), timeout=timeout) as r:
                 await r.read()
@@ -203,9 +291,16 @@ class ProxyState:
                     error = f"health probe: HTTP {r.status}"
         except asyncio.TimeoutError:
             error = f"health probe timed out after {cfg.health_timeout_s} s"
+        except aiohttp.ClientConnectorError as exc:  # nothing listens: the process is gone, no hysteresis
+            error = f"health probe: {type(exc).__name__}: {exc}"
+            refused = True
         except (aiohttp.ClientError, OSError) as exc:
             error = f"health probe: {type(exc).__name__}: {exc}"
-        if pool.record_probe(backend, error is None, error) == "ejected":
+        if refused:
+            if pool.eject(backend, error or "connection refused"):
+                self.metrics.ejections.labels(pool.role, backend.url, "health").inc()
+            pool.record_probe(backend, False, error)
+        elif pool.record_probe(backend, error is None, error) == "ejected":
             self.metrics.ejections.labels(pool.role, backend.url, "health").inc()
 
     def _eject(self, pool: BackendPool, backend: Backend, reason: str) -> None:
@@ -226,8 +321,14 @@ class ProxyState:
                 headers[name] = value
         return headers
 
-    def check_auth(self, request: web.Request) -> None:
-        key = self.config.api_key
+    def _upstream_error(self, status: int, public: str, detail: str, *, type: str, code: str) -> ProxyError:
+        """A ProxyError whose client message is ``public``; ``detail`` (backend URL, backend text) is logged by
+        the handler and appended to the client message only with ``expose_backend_errors``."""
+        message = f"{public} ({detail})" if self.config.expose_backend_errors else public
+        return ProxyError(status, message, type=type, code=code, detail=detail)
+
+    def check_auth(self, request: web.Request, key: str | None = None) -> None:
+        key = self.config.api_key if key is None else key
         if key is None:
             return
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
@@ -251,13 +352,25 @@ class ProxyState:
         if request.content_length is not None and request.content_length > limit:
             raise too_large
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.config.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise too_large from None
+        except asyncio.TimeoutError:
+            raise ProxyError(
+                408,
+                f"request body not received within body_timeout_s={self.config.body_timeout_s}",
+                type=INVALID_REQUEST,
+                code="body_timeout",
+            ) from None
+        except aiohttp.ClientPayloadError as exc:  # e.g. Content-Encoding: gzip on a body that is not gzip
+            raise bad_request(f"request body could not be read: {exc.__class__.__name__}: {exc}".rstrip(": "),
+                              code="invalid_body_encoding") from None
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:
+            raise bad_request("request body is nested too deeply", code="invalid_json") from None
 
     async def _open(
         self,
@@ -284,9 +397,10 @@ class ProxyState:
                     raise ProxyError(
                         503, f"no healthy {leg} backend available", type=UNAVAILABLE, code=f"no_healthy_{leg}_backend"
                     )
-                raise ProxyError(
+                raise self._upstream_error(
                     502,
-                    f"could not connect to any {leg} backend ({len(tried)} tried; last: {last})",
+                    f"could not connect to any {leg} backend ({len(tried)} tried)",
+                    f"last: {last}",
                     type=UPSTREAM,
                     code=f"{leg}_unreachable",
                 )
@@ -310,9 +424,10 @@ class ProxyState:
             except aiohttp.ClientError as exc:
                 pool.release(backend)
                 self.metrics.upstream_errors.labels(leg, "disconnect").inc()
-                raise ProxyError(
+                raise self._upstream_error(
                     502,
-                    f"{leg} backend {backend.url} failed before answering: {type(exc).__name__}: {exc}",
+                    f"{leg} backend failed before answering",
+                    f"{backend.url}: {type(exc).__name__}: {exc}",
                     type=UPSTREAM,
                     code=f"{leg}_connection_error",
                 ) from None
@@ -330,9 +445,8 @@ class ProxyState:
             what = f"sent no data within decode_first_byte_timeout_s={cfg.decode_first_byte_timeout_s}"
         else:
             what = f"did not finish within decode_timeout_s={cfg.decode_timeout_s}"
-        return ProxyError(
-            504, f"{leg} backend {backend.url} {what}", type=UPSTREAM_TIMEOUT, code=f"{leg}_timeout"
-        )
+        return self._upstream_error(504, f"{leg} backend {what}", backend.url, type=UPSTREAM_TIMEOUT,
+                                    code=f"{leg}_timeout")
 
     async def _check_status(self, backend: Backend, resp: aiohttp.ClientResponse) -> None:
         """Turn a backend's error status into the proxy's answer (5xx/401/403 -> 502, other 4xx passed through)."""
@@ -343,9 +457,10 @@ class ProxyState:
         if resp.status >= 500 or resp.status in (401, 403, 407):
             kind = "http_5xx" if resp.status >= 500 else "http_auth"
             self.metrics.upstream_errors.labels(leg, kind).inc()
-            raise ProxyError(
+            raise self._upstream_error(
                 502,
-                f"{leg} backend {backend.url} returned HTTP {resp.status}: {_snippet(raw)}",
+                f"{leg} backend returned HTTP {resp.status}",
+                f"{backend.url}: {_snippet(raw)}",
                 type=UPSTREAM,
                 code=f"{leg}_upstream_error",
             )
@@ -355,13 +470,13 @@ class ProxyState:
     # ----------------------------------------------------------------- legs
 
     async def _unary_leg(
-        self, pool: BackendPool, leg: str, path: str, body: dict[str, Any], headers: dict[str, str], total_s: float
+        self, pool: BackendPool, leg: str, path: str, body: bytes, headers: dict[str, str], total_s: float
     ) -> tuple[Backend, aiohttp.ClientResponse, bytes]:
         """One non-streamed upstream call: pick a backend, check the status, read the whole body, time it."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=self.config.connect_timeout_s)
-        backend, resp = await self._open(pool, path, _dumps(body), headers, timeout, None)
+        backend, resp = await self._open(pool, path, body, headers, timeout, None)
         try:
             await self._check_status(backend, resp)
             raw = await resp.read()
@@ -369,9 +484,10 @@ class ProxyState:
             raise self._timeout_error(leg, backend, first_byte=False) from None
         except aiohttp.ClientError as exc:
             self.metrics.upstream_errors.labels(leg, "disconnect").inc()
-            raise ProxyError(
+            raise self._upstream_error(
                 502,
-                f"{leg} backend {backend.url} connection failed mid-answer: {type(exc).__name__}: {exc}",
+                f"{leg} backend connection failed mid-answer",
+                f"{backend.url}: {type(exc).__name__}: {exc}",
                 type=UPSTREAM,
                 code=f"{leg}_connection_error",
             ) from None
@@ -381,39 +497,52 @@ class ProxyState:
         self.metrics.leg_duration.labels(leg, backend.url).observe(loop.time() - t0)
         return backend, resp, raw
 
-    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    async def _prefill(
+        self, path: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[Backend, dict[str, Any]]:
         backend, resp, raw = await self._unary_leg(
             self.prefill, "prefill", path, body, headers, self.config.prefill_timeout_s
         )
         try:
             parsed = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             self.metrics.upstream_errors.labels("prefill", "invalid_json").inc()
-            raise ProxyError(
+            raise self._upstream_error(
                 502,
-                f"prefill backend {backend.url} answered HTTP {resp.status} with a non-JSON body: {_snippet(raw)}",
+                f"prefill backend answered HTTP {resp.status} with a non-JSON body",
+                f"{backend.url}: {_snippet(raw)}",
                 type=UPSTREAM,
                 code="prefill_invalid_response",
             ) from None
         try:
-            return kv_transfer_params_from_prefill(parsed)
+            return backend, kv_transfer_params_from_prefill(parsed)
         except ProxyError as exc:
             self.metrics.upstream_errors.labels("prefill", "invalid_kv").inc()
-            exc.message = f"{exc.message} (prefill backend {backend.url})"
+            exc.detail = f"prefill backend {backend.url}"
             raise
 
-    async def _decode_unary(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
-    ) -> web.Response:
-        _, resp, raw = await self._unary_leg(self.decode, "decode", path, body, headers, self.config.decode_timeout_s)
-        return web.Response(
-            status=resp.status,
-            body=raw,
-            headers={"Content-Type": resp.headers.get("Content-Type", "application/json"), "X-Request-Id": request_id},
+    async def _decode_unary(self, path: str, body: bytes, headers: dict[str, str], ids: dict[str, str]) -> web.Response:
+        backend, resp, raw = await self._unary_leg(
+            self.decode, "decode", path, body, headers, self.config.decode_timeout_s
         )
+        try:
+            ok = isinstance(json.loads(raw), dict)
+        except (ValueError, RecursionError):
+            ok = False
+        if not ok:
+            self.metrics.upstream_errors.labels("decode", "invalid_json").inc()
+            raise self._upstream_error(
+                502,
+                f"decode backend answered HTTP {resp.status} with a body that is not a JSON object",
+                f"{backend.url}: {_snippet(raw)}",
+                type=UPSTREAM,
+                code="decode_invalid_response",
+            )
+        return web.Response(status=resp.status, body=raw, headers={"Content-Type": "application/json", **ids})
 
     async def _decode_stream(
-        self, request: web.Request, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
+        self, request: web.Request, path: str, body: bytes, headers: dict[str, str], ids: dict[str, str],
+        handover: tuple[float, Backend] | None = None,
     ) -> web.StreamResponse:
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -422,40 +551,59 @@ class ProxyState:
         timeout = aiohttp.ClientTimeout(
             total=cfg.decode_timeout_s, sock_connect=cfg.connect_timeout_s, sock_read=cfg.decode_idle_timeout_s
         )
-        backend, resp = await self._open(self.decode, path, _dumps(body), headers, timeout, deadline)
+        backend, resp = await self._open(self.decode, path, body, headers, timeout, deadline)
         clean = False
+        request_id = ids["X-HybridPD-Pairing-Id"]
         try:
             try:
                 await self._check_status(backend, resp)
+                if resp.content_type != "text/event-stream":
+                    self.metrics.upstream_errors.labels("decode", "protocol").inc()
+                    raise self._upstream_error(
+                        502,
+                        f"decode backend answered a streaming request with Content-Type {resp.content_type!r}, "
+                        f"not text/event-stream",
+                        backend.url,
+                        type=UPSTREAM,
+                        code="decode_invalid_response",
+                    )
                 first = await asyncio.wait_for(resp.content.readany(), max(deadline - loop.time(), 0.001))
             except asyncio.TimeoutError:
                 raise self._timeout_error("decode", backend, first_byte=True) from None
             except aiohttp.ClientError as exc:
                 self.metrics.upstream_errors.labels("decode", "disconnect").inc()
-                raise ProxyError(
+                raise self._upstream_error(
                     502,
-                    f"decode backend {backend.url} failed before its first byte: {type(exc).__name__}: {exc}",
+                    "decode backend failed before its first byte",
+                    f"{backend.url}: {type(exc).__name__}: {exc}",
                     type=UPSTREAM,
                     code="decode_connection_error",
                 ) from None
-            self.metrics.leg_duration.labels("decode_first_byte", backend.url).observe(loop.time() - t0)
+            now = loop.time()
+            self.metrics.leg_duration.labels("decode_first_byte", backend.url).observe(now - t0)
+            if handover is not None:
+                self._note_handover(handover, now, ids)
 
-            sse = resp.content_type == "text/event-stream"
             out = web.StreamResponse(
                 status=resp.status,
                 headers={
                     "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
                     "Cache-Control": "no-cache",
-                    "X-Request-Id": request_id,
+                    **ids,
                 },
             )
             await out.prepare(request)
-            framer = SSEFramer() if sse else None
+            framer = SSEFramer(cfg.max_sse_event_bytes)
             error: str | None = None
+            detail = ""
             kind = ""
             chunk = first
             while chunk:
-                data = framer.feed(chunk) if framer is not None else chunk
+                try:
+                    data = framer.feed(chunk)
+                except SSEError as exc:
+                    kind, error, detail = "protocol", "decode backend broke the SSE protocol", f"{backend.url}: {exc}"
+                    break
                 if data:
                     try:
                         await out.write(data)
@@ -467,29 +615,29 @@ class ProxyState:
                 except asyncio.TimeoutError:
                     kind = "timeout"
                     error = (
-                        f"decode backend {backend.url} stalled: no data for decode_idle_timeout_s="
+                        f"decode backend stalled: no data for decode_idle_timeout_s="
                         f"{cfg.decode_idle_timeout_s} or decode_timeout_s={cfg.decode_timeout_s} reached"
                     )
+                    detail = backend.url
                     break
                 except aiohttp.ClientError as exc:
                     kind = "disconnect"
-                    error = f"decode backend {backend.url} connection lost mid-stream ({type(exc).__name__}: {exc})"
+                    error = "decode backend connection lost mid-stream"
+                    detail = f"{backend.url}: {type(exc).__name__}: {exc}"
                     break
             else:
-                if framer is not None and not framer.saw_done:
+                if not framer.saw_done:
                     kind = "truncated"
-                    error = f"decode backend {backend.url} ended the stream without 'data: [DONE]'"
+                    error = "decode backend ended the stream without 'data: [DONE]'"
+                    detail = backend.url
                 else:
                     clean = True
             if error is not None:
                 self.metrics.upstream_errors.labels("decode", kind).inc()
-                log.warning("stream %s interrupted: %s", request_id, error)
-                if framer is None:  # not SSE: no way to signal in-band; cut the connection so the client notices
-                    if request.transport is not None:
-                        request.transport.abort()
-                    return out
+                log.warning("stream %s%s interrupted: %s (%s)", request_id, _client_note(ids), error, detail)
+                public = f"{error} ({detail})" if cfg.expose_backend_errors else error
                 with contextlib.suppress(ConnectionResetError):
-                    await out.write(sse_error_event(error))
+                    await out.write(sse_error_event(public))
             with contextlib.suppress(ConnectionResetError):
                 await out.write_eof()
             return out
@@ -501,6 +649,14 @@ class ProxyState:
             self.decode.release(backend)
             self.metrics.leg_duration.labels("decode", backend.url).observe(loop.time() - t0)
 
+    def _note_handover(self, handover: tuple[float, Backend], now: float, ids: dict[str, str]) -> None:
+        p_done, p_backend = handover
+        seconds = now - p_done
+        self.metrics.kv_handover.labels(p_backend.url).observe(seconds)
+        client = ids["X-Request-Id"]
+        pairing = ids["X-HybridPD-Pairing-Id"]
+        self.leases.note(Handover(pairing, client if client != pairing else None, p_backend.url, seconds))
+
     # ----------------------------------------------------------------- handlers
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
@@ -510,39 +666,52 @@ class ProxyState:
         return await self._generate(request, CHAT_COMPLETIONS)
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
-        request_id = _request_id(request)
+        pairing_id = str(uuid.uuid4())
+        ids = _id_headers(pairing_id, _client_request_id(request))
         try:
             body = validate_client_request(await self._read_json(request), route)
+            p_body = _encode(prefill_request(body))  # also catches what cannot be encoded before any backend call
             if self.decode.healthy_count == 0:  # fail before P does work (and holds KV blocks) for nobody
                 raise ProxyError(
                     503, "no healthy decode backend available", type=UNAVAILABLE, code="no_healthy_decode_backend"
                 )
-            headers = self._upstream_headers(request, request_id)
-            kv = await self._prefill(route, prefill_request(body), headers)
-            d_body = decode_request(body, kv, fields_to_restore(body))
+            headers = self._upstream_headers(request, pairing_id)
+            p_backend, kv = await self._prefill(route, p_body, headers)
+            p_done = asyncio.get_running_loop().time()
+            d_body = _encode(decode_request(body, kv, fields_to_restore(body)))
             if is_streaming(body):
-                return await self._decode_stream(request, route, d_body, headers, request_id)
-            return await self._decode_unary(route, d_body, headers, request_id)
+                return await self._decode_stream(request, route, d_body, headers, ids, (p_done, p_backend))
+            response = await self._decode_unary(route, d_body, headers, ids)
+            self._note_handover((p_done, p_backend), asyncio.get_running_loop().time(), ids)
+            return response
         except ProxyError as exc:
-            exc.headers.setdefault("X-Request-Id", request_id)
+            for name, value in ids.items():
+                exc.headers.setdefault(name, value)
             log.log(logging.WARNING if exc.status >= 500 else logging.INFO,
-                    "request %s failed: %s %s", request_id, exc.status, exc.message)
+                    "request %s%s failed: %s %s%s", pairing_id, _client_note(ids), exc.status, exc.message,
+                    f" [{exc.detail}]" if exc.detail and not self.config.expose_backend_errors else "")
             raise
         except UpstreamReply as exc:
-            return web.Response(
-                status=exc.status, body=exc.body, headers={"Content-Type": exc.content_type, "X-Request-Id": request_id}
-            )
+            return web.Response(status=exc.status, body=exc.body, headers={"Content-Type": exc.content_type, **ids})
+
+    async def handle_tokenizer(self, request: web.Request) -> web.Response:
+        """``/tokenize`` and ``/detokenize`` (vLLM's routes; ``vllm bench serve`` uses them): the body is passed
+        to the first healthy D that answers, else P (both serve the same tokenizer)."""
+        return await self._first_answer("POST", request.path, _encode(await self._read_json(request)))
 
     async def handle_models(self, request: web.Request) -> web.Response:
         """``/v1/models`` from the first healthy D backend that answers, else from P."""
+        return await self._first_answer("GET", "/v1/models", None)
+
+    async def _first_answer(self, method: str, path: str, data: bytes | None) -> web.Response:
         timeout = aiohttp.ClientTimeout(total=_MODELS_TIMEOUT_S, sock_connect=self.config.connect_timeout_s)
+        headers = {**self._auth_headers(), **({"Content-Type": "application/json"} if data is not None else {})}
         errors: list[str] = []
         for pool in (self.decode, self.prefill):
             for backend in pool.healthy():
                 try:
-                    async with self.session.get(
-                        backend.url + "/v1/models", headers=self._auth_headers(), timeout=timeout
-                    ) as resp:
+                    async with self.session.request(method, backend.url + path, data=data, headers=headers,
+                                                    timeout=timeout) as resp:
                         raw = await resp.read()
                 except _CONNECT_ERRORS as exc:
                     self._eject(pool, backend, f"connect failed: {exc}")
@@ -552,21 +721,23 @@ class ProxyState:
                     errors.append(f"{backend.url}: {type(exc).__name__}: {exc}")
                     continue
                 if resp.status >= 500 or resp.status in (401, 403):
-                    errors.append(f"{backend.url}: HTTP {resp.status}")
+                    errors.append(f"{backend.url}: HTTP {resp.status}: {_snippet(raw)}")
                     continue
-                return web.Response(
-                    status=resp.status,
-                    body=raw,
-                    headers={"Content-Type": resp.headers.get("Content-Type", "application/json")},
-                )
+                return web.Response(status=resp.status, body=raw,
+                                    headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
         if errors:
-            raise ProxyError(
-                502, f"no backend answered /v1/models: {'; '.join(errors)}", type=UPSTREAM, code="models_unavailable"
-            )
+            log.warning("%s %s failed on every backend: %s", method, path, "; ".join(errors))
+            raise self._upstream_error(502, f"no backend answered {path}", "; ".join(errors), type=UPSTREAM,
+                                       code="models_unavailable" if path == "/v1/models" else "tokenizer_unavailable")
         raise ProxyError(503, "no healthy backend available", type=UNAVAILABLE, code="no_healthy_backend")
 
     async def handle_health(self, request: web.Request) -> web.Response:
-        """200 when at least one P and one D are in rotation, else 503. Counts only (no backend URLs)."""
+        """200 when at least one P and one D are in rotation, else 503. Counts only (no backend URLs).
+
+        If the last probe round is older than ``health_max_age_s``, this request runs one first (shared with
+        concurrent callers), so a backend that died is reported within one /health call, not one interval."""
+        if asyncio.get_running_loop().time() - self._last_probe > self.config.health_max_age_s:
+            await self.probe_all()
         p, d = self.prefill.healthy_count, self.decode.healthy_count
         ok = p > 0 and d > 0
         payload = {
@@ -577,6 +748,8 @@ class ProxyState:
         return _json_response(200 if ok else 503, payload)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text; behind ``metrics_api_key`` if set, else behind ``api_key`` if set (it names backends)."""
+        self.check_auth(request, self.config.metrics_api_key)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -591,7 +764,7 @@ async def _middleware(request: web.Request, handler: _Handler) -> web.StreamResp
     state = request.app[STATE]
     metrics = state.metrics
     route = _route_label(request)
-    api = request.path.startswith("/v1/")
+    api = request.path.startswith("/v1/") or request.path in _TOKENIZER_ROUTES
     started = time.perf_counter()
     status = 500
     if api:
@@ -642,9 +815,40 @@ def build_app(config: ProxyConfig) -> web.Application:
     app.router.add_post(COMPLETIONS, state.handle_completions)
     app.router.add_post(CHAT_COMPLETIONS, state.handle_chat_completions)
     app.router.add_get("/v1/models", state.handle_models)
+    app.router.add_post("/tokenize", state.handle_tokenizer)
+    app.router.add_post("/detokenize", state.handle_tokenizer)
     app.router.add_get("/health", state.handle_health)
     app.router.add_get("/metrics", state.handle_metrics)
     return app
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """The ``AppRunner`` for a proxy app: handlers cancelled when their client leaves, aiohttp's keep-alive
+    timer a backstop just past ``idle_timeout_s`` (the guard's sweep closes idle connections first)."""
+    config = app[STATE].config
+    return web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=logging.getLogger("hybridpd.proxy.access") if config.access_log else None,
+        shutdown_timeout=config.shutdown_grace_s,
+        keepalive_timeout=config.idle_timeout_s + 1.0,
+    )
+
+
+def make_site(runner: web.AppRunner) -> GuardedSite:
+    """A listening site for ``runner`` (set up) with the client-connection guard of ``hybridpd.proxy.guard``."""
+    state: ProxyState = runner.app[STATE]
+    config = state.config
+    closed = state.metrics.connections_closed
+    return GuardedSite(
+        runner,
+        config.host,
+        config.port,
+        max_connections=config.max_connections or default_max_connections(),
+        header_timeout_s=config.header_timeout_s,
+        idle_timeout_s=config.idle_timeout_s,
+        on_close=lambda reason: closed.labels(reason).inc(),
+    )
 
 
 def proxy_state(app: web.Application) -> ProxyState:
@@ -665,18 +869,12 @@ async def serve_proxy(
     """
     stop = stop if stop is not None else asyncio.Event()
     app = build_app(config)
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,
-        access_log=logging.getLogger("hybridpd.proxy.access") if config.access_log else None,
-        shutdown_timeout=config.shutdown_grace_s,
-    )
+    runner = make_runner(app)
     await runner.setup()
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
     try:
-        site = web.TCPSite(runner, config.host, config.port, backlog=1024)
-        await site.start()
+        await make_site(runner).start()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 loop.add_signal_handler(sig, stop.set)

@@ -87,6 +87,29 @@ class ProxyConfig:
     #: On SIGINT/SIGTERM, how long in-flight requests may finish before they are cancelled.
     shutdown_grace_s: float = 30.0
     access_log: bool = False
+    # --- client side (hostile clients: see ``hybridpd.proxy.guard``) ---
+    #: A client connection has this long, from its first byte, to send a complete request line and headers.
+    header_timeout_s: float = 10.0
+    #: A request body must be fully received within this long once its headers are in. Exceeded -> 408.
+    body_timeout_s: float = 30.0
+    #: A client connection with no request in progress and nothing received is closed after this long.
+    idle_timeout_s: float = 60.0
+    #: Most simultaneous client connections; beyond it the longest-idle connection without a request in
+    #: progress is closed, else the newcomer gets 503. None = derived from the process's open-file limit.
+    max_connections: int | None = None
+    #: Largest SSE event accepted from D; a longer one ends the stream with an error event.
+    max_sse_event_bytes: int = 16 * 1024 * 1024
+    #: Client error bodies quote backend URLs and backend error text (off: they go to the log only).
+    expose_backend_errors: bool = False
+    #: If set, ``/metrics`` needs ``Authorization: Bearer <metrics_api_key>``; if unset, it needs ``api_key``
+    #: when that is set. /health stays open (it reveals only counts).
+    metrics_api_key: str | None = field(default=None, repr=False)
+    #: ``GET /health`` re-probes the backends itself when the last probe round is older than this, so a
+    #: dead backend shows within one request instead of one ``health_interval_s``.
+    health_max_age_s: float = 0.5
+    #: Scrape every P's ``/metrics`` each health round for vLLM's KV-lease counters
+    #: (``vllm:nixl_num_kv_expired_reqs``, ``vllm:nixl_num_notifications_after_expiry``).
+    watch_kv_leases: bool = True
 
     def __post_init__(self) -> None:
         for name in ("prefill_urls", "decode_urls"):
@@ -119,7 +142,13 @@ class ProxyConfig:
                 raise ProxyConfigError(f"{value!r} must be an integer >= {low}", field=name)
         if not isinstance(self.max_upstream_connections, int) or self.max_upstream_connections < 0:
             raise ProxyConfigError("must be an integer >= 0 (0 = unlimited)", field="max_upstream_connections")
-        for name in ("api_key", "backend_api_key"):
+        mc = self.max_connections
+        if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool) or mc < 1):
+            raise ProxyConfigError(f"{mc!r} must be None (automatic) or an integer >= 1", field="max_connections")
+        me = self.max_sse_event_bytes
+        if not isinstance(me, int) or isinstance(me, bool) or me < 1024:
+            raise ProxyConfigError(f"{me!r} must be an integer >= 1024", field="max_sse_event_bytes")
+        for name in ("api_key", "backend_api_key", "metrics_api_key"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value or any(c.isspace() for c in value)):
                 raise ProxyConfigError("must be None or a non-empty string without whitespace", field=name)

@@ -20,7 +20,7 @@ class ProxyError(Exception):
     """An error the proxy answers itself, with an HTTP status and an OpenAI-style body.
 
     ``code`` is a short machine-readable string (``"prefill_timeout"``, ``"unsupported_parameter"``...),
-    ``param`` names the offending request field when there is one.
+    ``param`` names the offending request field when there is one, ``detail`` holds what only the log may see.
     """
 
     def __init__(
@@ -32,8 +32,11 @@ class ProxyError(Exception):
         code: str,
         param: str | None = None,
         headers: Mapping[str, str] | None = None,
+        detail: str | None = None,
     ) -> None:
         super().__init__(message)
+        #: Backend details (URL, backend error text) for the log only, never for the client.
+        self.detail = detail
         self.status = status
         self.message = message
         self.type = type

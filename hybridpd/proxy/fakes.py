@@ -152,12 +152,14 @@ class FakePrefill(_Base):
     delay_s: float = 0.0
     engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     side_channel_port: int = 5600
+    #: Flag requests without ``X-Request-Id`` (hybridpd's proxy always sends one; vLLM itself does not need it).
+    require_request_id: bool = True
     role: str = "prefill"
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body, rid = await self._intake(request)
         problems = []
-        if not rid:
+        if not rid and self.require_request_id:
             problems.append("no X-Request-Id")
         if body.get("kv_transfer_params") != dict(PREFILL_KV_TRANSFER_PARAMS):
             problems.append(f"kv_transfer_params {body.get('kv_transfer_params')!r}")
@@ -167,7 +169,9 @@ class FakePrefill(_Base):
             problems.append(f"max_tokens={body.get('max_tokens')!r}")
         if "max_completion_tokens" in body and body["max_completion_tokens"] != 1:
             problems.append(f"max_completion_tokens={body['max_completion_tokens']!r}")
-        problems += [f"{k} present" for k in ("stream_options", *RESTORED_FIELDS) if k in body]
+        problems += [f"{k} present" for k in ("stream_options",) if k in body]
+        # vLLM refuses min_tokens > max_tokens (= 1 here); 0 or 1 is accepted (vllm-router sends min_tokens=1)
+        problems += [f"{k}={body[k]!r} > 1" for k in RESTORED_FIELDS if k in body and body[k] not in (0, 1, None)]
         if problems:
             return self._violation("prefill request not rewritten: " + "; ".join(problems))
         try:

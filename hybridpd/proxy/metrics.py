@@ -92,6 +92,28 @@ class ProxyMetrics:
         self.outstanding = Gauge(
             "hybridpd_proxy_outstanding_requests", "Client requests in flight on /v1/* routes", registry=r
         )
+        self.kv_lease_expired = Counter(
+            "hybridpd_proxy_kv_lease_expired",
+            "KV leases a prefill backend reported expired (kind=expired: P freed blocks decode had not read; "
+            "kind=read_after_expiry: decode read blocks after P's lease ran out, output may be wrong), from P's "
+            "vllm:nixl_num_kv_expired_reqs / vllm:nixl_num_notifications_after_expiry",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.kv_handover = Histogram(
+            "hybridpd_proxy_kv_handover_seconds",
+            "P's answer -> D's first byte (streams; KV pull + first token), per prefill backend: compare with "
+            "the NixlConnector kv_lease_duration",
+            ["backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.connections_closed = Counter(
+            "hybridpd_proxy_client_connections_closed",
+            "Client connections closed or refused by the proxy (evicted, refused, header_timeout, idle_timeout)",
+            ["reason"],
+            registry=r,
+        )
         r.register(_PoolCollector(pools))
 
     def render(self) -> bytes:

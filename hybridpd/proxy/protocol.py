@@ -117,6 +117,7 @@ def validate_client_request(body: object, route: str) -> dict[str, Any]:
         raise bad_request(
             "'use_beam_search' is not supported by the P/D proxy", param="use_beam_search", code="unsupported_parameter"
         )
+    _validate_decode_only_fields(body, route)
     if route == COMPLETIONS:
         for field in ("prompt", "prompt_embeds"):
             if _is_multi_prompt(body.get(field)):
@@ -127,6 +128,47 @@ def validate_client_request(body: object, route: str) -> dict[str, Any]:
                     code="unsupported_parameter",
                 )
     return body
+
+
+def _int_field(body: Mapping[str, Any], field: str) -> int | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise bad_request(f"'{field}' must be an integer, got {value!r}", param=field, code="invalid_type")
+    return int(value)
+
+
+def _validate_decode_only_fields(body: Mapping[str, Any], route: str) -> None:
+    """The fields P never sees as the client sent them (``prefill_request`` rewrites them), checked the way vLLM
+    0.32's D would (``SamplingParams._verify_args``, the ``stream_options`` validator); anything D would refuse
+    is refused here, before P computes and pins KV blocks for a request that cannot be decoded. Every other
+    field reaches P unchanged, and P refuses what is wrong with it before prefilling."""
+    max_tokens = _int_field(body, "max_tokens")
+    max_completion = _int_field(body, "max_completion_tokens") if route == CHAT_COMPLETIONS else None
+    # chat: vLLM uses max_completion_tokens or max_tokens (0/None fall through); completions: max_tokens, echo
+    # with max_tokens=0 is a valid "echo the prompt only" request.
+    effective, name = (max_completion, "max_completion_tokens") if max_completion else (max_tokens, "max_tokens")
+    echo_only = route == COMPLETIONS and bool(body.get("echo")) and max_tokens == 0
+    if effective is not None and effective < 1 and not echo_only:
+        raise bad_request(f"'{name}' must be at least 1, got {effective}", param=name, code="invalid_value")
+    for field in RESTORED_FIELDS:
+        low = _int_field(body, field)
+        if low is None:
+            continue
+        if low < 0:
+            raise bad_request(f"'{field}' must be >= 0, got {low}", param=field, code="invalid_value")
+        if effective is not None and low > effective and not echo_only:
+            raise bad_request(f"'{field}'={low} is larger than '{name}'={effective}", param=field,
+                              code="invalid_value")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request(f"'stream_options' must be an object, got {type(options).__name__}",
+                              param="stream_options", code="invalid_type")
+        if options and body.get("stream") is not True:
+            raise bad_request("'stream_options' can only be given with 'stream': true", param="stream_options",
+                              code="invalid_value")
 
 
 def is_streaming(body: Mapping[str, Any]) -> bool:
@@ -162,7 +204,12 @@ def kv_transfer_params_from_prefill(response: object) -> dict[str, Any]:
 
 
 _EVENT_ENDS: Final[tuple[bytes, ...]] = (b"\n\n", b"\r\n\r\n", b"\r\r")
-_DONE: Final = b"data: [DONE]"
+_DONE: Final = b"[DONE]"
+
+
+class SSEError(ValueError):
+    """D's event stream broke the protocol (an event too large, or a ``data:`` line that is neither JSON nor
+    ``[DONE]``)."""
 
 
 class SSEFramer:
@@ -171,29 +218,50 @@ class SSEFramer:
     ``feed`` returns the bytes up to the last complete event and keeps the rest. If the upstream dies halfway
     through an event, the fragment is dropped instead of being glued to the proxy's error event.
     ``saw_done`` tells whether the last complete event was ``data: [DONE]`` (vLLM always ends with it).
+
+    Linear in the bytes fed: each byte is searched for a separator once (the old framer re-searched the whole
+    pending fragment on every chunk, quadratic in an event's size). An incomplete event larger than
+    ``max_event_bytes``, or a complete event with a ``data:`` line that does not start a JSON object and is not
+    ``[DONE]`` (what vLLM sends), raises ``SSEError``.
     """
 
-    __slots__ = ("_pending", "saw_done")
+    __slots__ = ("_buf", "_scanned", "max_event_bytes", "saw_done")
 
-    def __init__(self) -> None:
-        self._pending = b""
+    def __init__(self, max_event_bytes: int = 16 * 1024 * 1024) -> None:
+        self._buf = bytearray()
+        self._scanned = 0
+        self.max_event_bytes = max_event_bytes
         self.saw_done = False
 
     @property
     def pending(self) -> bytes:
-        return self._pending
+        return bytes(self._buf)
 
     def feed(self, chunk: bytes) -> bytes:
-        data = self._pending + chunk if self._pending else chunk
+        buf = self._buf
+        start = max(0, self._scanned - 3)  # a separator may straddle the old end (longest is 4 bytes)
+        buf += chunk
         cut = -1
         for end in _EVENT_ENDS:
-            i = data.rfind(end)
+            i = buf.rfind(end, start)
             if i >= 0 and i + len(end) > cut:
                 cut = i + len(end)
         if cut < 0:
-            self._pending = data
+            self._scanned = len(buf)
+            if len(buf) > self.max_event_bytes:
+                raise SSEError(f"an event from decode exceeds max_sse_event_bytes={self.max_event_bytes}")
             return b""
-        self._pending = data[cut:]
-        out = data[:cut]
-        self.saw_done = out.rstrip().rsplit(b"\n", 1)[-1].strip() == _DONE
+        out = bytes(buf[:cut])
+        del buf[:cut]
+        self._scanned = len(buf)
+        if len(buf) > self.max_event_bytes:
+            raise SSEError(f"an event from decode exceeds max_sse_event_bytes={self.max_event_bytes}")
+        last = b""
+        for line in out.splitlines():
+            if line.startswith(b"data:"):
+                payload = line[5:].strip()
+                if payload[:1] != b"{" and payload != _DONE:
+                    raise SSEError(f"decode sent an SSE data line that is not JSON: {payload[:40]!r}")
+                last = payload
+        self.saw_done = last == _DONE
         return out
