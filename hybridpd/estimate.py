@@ -88,6 +88,10 @@ def _bad(msg: str, fix: str = _FIX) -> UsageError:
     return UsageError(f"{_FIELD}: {msg}", field=_FIELD, fix=fix)
 
 
+# Accepted calibration ranges (#15): wide enough for any link, narrow enough that times stay finite in JSON.
+_RANGES = {"per_descriptor_us": (0.0, 1e9), "bandwidth_gbps": (1e-6, 1e6)}
+
+
 def _num(e: dict[str, Any], key: str, where: str, *, positive: bool) -> float:
     v = e.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -96,6 +100,9 @@ def _num(e: dict[str, Any], key: str, where: str, *, positive: bool) -> float:
         raise _bad(f"{where}.{key} must be > 0, got {v!r}")
     if v < 0:
         raise _bad(f"{where}.{key} must be >= 0, got {v!r}")
+    lo, hi = _RANGES.get(key, (-math.inf, math.inf))
+    if not lo <= v <= hi:
+        raise _bad(f"{where}.{key} must be in {lo:g}..{hi:g}, got {v!r}")
     return float(v)
 
 
@@ -167,9 +174,12 @@ def load_calibration(path: str | Path | None = None) -> tuple[Calibration, ...]:
         if path is None:
             text = resources.files("hybridpd.data").joinpath("calibration.json").read_text(encoding="utf-8")
             source = BUNDLED
-        else:
-            text = Path(path).read_text(encoding="utf-8")
-            source = str(path)
+        else:  # a regular file of bounded size only; strict JSON (#15: a FIFO must not block, no NaN/Infinity)
+            from .fsutil import parse_json_bytes, read_bounded
+
+            raw = read_bounded(path, field=_FIELD, limit=1 << 20)
+            return parse_calibration(parse_json_bytes(raw, where=str(path), field=_FIELD, fix="fix the JSON syntax"),
+                                     source=str(path))
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise _bad(f"cannot read {path or BUNDLED}: {reason}", fix="pass a readable JSON file") from None

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import os
-import stat
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -14,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, ModelNotFound
+from .fsutil import parse_json_bytes, read_bounded
 
 # Short aliases an operator can type. Values are Hugging Face ids of bundled configs.
 ALIASES: dict[str, str] = {
@@ -93,110 +92,9 @@ def _lookup_bundled(name: str) -> str | None:
     return None
 
 
-MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few kB; id2label-heavy ones stay far below this
-MAX_JSON_DEPTH = 64  # real configs nest 3-4 levels
-
-
-def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-def read_bounded(path: str | Path, *, field: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
-    """The bytes of a regular file of at most ``limit`` bytes; FIFOs, devices and directories are refused unopened.
-
-    The file is opened with O_NONBLOCK (a FIFO swapped in after the check cannot block) and checked again with
-    fstat on the open descriptor, and never more than ``limit + 1`` bytes are read.
-    """
-    where = str(path)
-    fix = "point it at a regular JSON file"
-    try:
-        st = os.stat(path)
-    except (OSError, ValueError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise ConfigError(f"cannot read {where}: {reason}", field=field, fix=fix) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"{where} is {_file_kind(st.st_mode)}, not a regular file", field=field, fix=fix)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        raise ConfigError(f"cannot read {where}: {e.strerror or e}", field=field, fix=fix) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{where} is {_file_kind(st.st_mode)}, not a regular file", field=field, fix=fix)
-        if st.st_size > limit:
-            raise ConfigError(f"{where} is {st.st_size:,} bytes, more than the {limit:,}-byte limit", field=field,
-                              fix="point it at the model's config.json")
-        chunks: list[bytes] = []
-        got = 0
-        while got <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - got))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
-    except OSError as e:
-        raise ConfigError(f"cannot read {where}: {e.strerror or e}", field=field, fix=fix) from None
-    finally:
-        os.close(fd)
-    if got > limit:
-        raise ConfigError(f"{where} is more than the {limit:,}-byte limit", field=field,
-                          fix="point it at the model's config.json")
-    return b"".join(chunks)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite_float(text: str) -> float:
-    v = float(text)
-    if not math.isfinite(v):
-        raise ValueError(f"number {text[:20]} is out of range")
-    return v
-
-
-def _depth_ok(data: Any, limit: int) -> bool:
-    stack: list[tuple[Any, int]] = [(data, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return False
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
-    return True
-
-
-def parse_json_bytes(raw: bytes, *, where: str, field: str,
-                     fix: str = "repair the file or point MODEL at a valid config.json") -> Any:
-    """Strict JSON from bytes: UTF-8, no NaN/Infinity, no overflowing floats, at most MAX_JSON_DEPTH levels."""
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{where} is not UTF-8 text (bad byte at offset {e.start})", field=field, fix=fix) from None
-    try:
-        data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{where} is not valid JSON (line {e.lineno}: {e.msg})", field=field, fix=fix) from None
-    except RecursionError:
-        raise ConfigError(f"{where} nests deeper than {MAX_JSON_DEPTH} levels", field=field, fix=fix) from None
-    except ValueError as e:  # NaN/Infinity, 1e999, integers over Python's digit limit
-        msg = str(e).split(";")[0]
-        raise ConfigError(f"{where} is not valid JSON ({msg})", field=field, fix=fix) from None
-    if not _depth_ok(data, MAX_JSON_DEPTH):
-        raise ConfigError(f"{where} nests deeper than {MAX_JSON_DEPTH} levels", field=field, fix=fix)
-    return data
-
-
 def _read_json(path: Path, what: str) -> dict[str, Any]:
-    data = parse_json_bytes(read_bounded(path, field=what), where=str(path), field=what)
+    data = parse_json_bytes(read_bounded(path, field=what), where=str(path), field=what,
+                            fix="repair the file or point MODEL at a valid config.json")
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a JSON object", field=what, fix="use a Hugging Face config.json")
     return data
