@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from ._options import ModelArg, engine_options, isl_list, settings_from
-from ._output import Report, Table, emit_json, emit_report, fmt_bytes, output_options, resolve_format
+from ._options import ModelArg, engine_options, isl_list, settings_from, target_from
+from ._output import Report, Table, Verdict, emit_json, emit_report, fmt_bytes, output_options, resolve_format
 
 
 @click.command()
@@ -18,7 +18,7 @@ from ._output import Report, Table, emit_json, emit_report, fmt_bytes, output_op
                    "max-model-len.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write bytes per request vs input length (actual vs naive) to a PNG (needs matplotlib).")
-@click.option("--strict", is_flag=True, help="Exit 1 when a finding has severity error.")
+@click.option("--strict", is_flag=True, help="Exit 1 on warnings too (a refused combination always exits 1).")
 @click.option("--calibration", "calibration_path", type=click.Path(dir_okay=False), default=None,
               help="Transfer-time calibration JSON (schema hybridpd-calibration/1) for the per-request time "
                    "estimate n_desc x c + bytes / bw. Default: the bundled table.")
@@ -33,6 +33,10 @@ def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict
     MODEL is a bundled id or alias (see `hybridpd models`), a model directory or config.json, or a
     Hugging Face id in the local cache.
 
+    The first line is the verdict: OK, or REFUSED with the number of errors and the top fix.
+    Exit status: 0 when vLLM would accept the combination, 1 when a finding has severity error (the
+    same rule as `serve` and `verify`), 2 for usage errors.
+
     \b
     Examples:
       hybridpd plan nano-fp8 --ptp 1 --dtp 4
@@ -45,7 +49,7 @@ def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict
     entries = load_calibration(calibration_path)
     entry = select(entries, link, platform=kw["platform"])
     p, d = settings_from(kw)
-    result = build_plan(model, prefill=p, decode=d, vllm_version=kw["vllm_version"], platform=kw["platform"],
+    result = build_plan(model, prefill=p, decode=d, vllm_version=target_from(kw), platform=kw["platform"],
                         isls=isls, allow_network=kw["allow_network"])
     data = plan_to_dict(result, estimate_with=entry)
     if entry is None:
@@ -54,6 +58,7 @@ def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict
         from hybridpd.plotting import plot_transfer
 
         plot_transfer(result, plot_path)
+    data["verdict"] = verdict_dict(data, fix_holds_for(result, p, d, kw))
     out = resolve_format(as_json, fmt)
     if out == "json":
         emit_json(data)
@@ -63,7 +68,7 @@ def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict
             rep.notes.append(f"est. time omitted: no {MEMORY_OF_PLATFORM[kw['platform']]} entry for --platform "
                              f"{kw['platform']} in {entries[0].source}; pass --calibration FILE with one, or --link NAME.")
         emit_report(rep, out)
-    if strict and not data["ok"]:
+    if not data["ok"] or (strict and data["verdict"]["warnings"]):
         raise SystemExit(1)
 
 
@@ -126,10 +131,100 @@ def sp(v: list[int] | None) -> str:
     return f"{v[0]}+{v[1]}" if v else "-"
 
 
+SEVERITY = {"error": "ERROR", "warning": "warning", "info": "info"}  # the JSON's words, errors shouted
+
+
+def fix_holds_for(result: Any, p: Any, d: Any, kw: dict[str, Any]) -> dict[str, Any] | None:
+    """Check the recommended --block-size under the dtypes the plan had to assume.
+
+    A dtype flag left at 'auto' is resolved from the checkpoint's metadata, which may be missing or
+    reconstructed; the fix is re-planned with every other plausible value (KV: the model dtype or fp8;
+    NemotronH SSM state: float32 or float16) and the result says for which values it holds and, for the
+    others, which block size would.
+    """
+    from dataclasses import replace
+
+    from hybridpd.plan import build_plan
+
+    rec = result.recommended_block_size
+    if not rec:
+        return None
+    kv_now, ssm_now = result.prefill.dtypes.kv, result.prefill.dtypes.ssm
+    alts: list[tuple[str, str, dict[str, str]]] = []
+    if kw["kv_cache_dtype"] == "auto":
+        for kv in dict.fromkeys((result.model.model_dtype, "fp8")):
+            if kv != kv_now:
+                alts.append(("KV", kv, {"kv_cache_dtype": kv}))
+    if kw["mamba_ssm_cache_dtype"] == "auto" and result.model.family == "nemotron_h" and result.model.has_mamba:
+        for ssm in ("float32", "float16"):
+            if ssm != ssm_now:
+                alts.append(("SSM", ssm, {"mamba_ssm_cache_dtype": ssm}))
+    holds, fails = [], []
+    for what, val, change in alts:
+        fixed = build_plan(result.model, prefill=replace(p, block_size=rec, **change),
+                           decode=replace(d, block_size=rec, **change), vllm_version=result.profile.name,
+                           platform=result.platform.name, isls=(1024,))
+        if fixed.recommended_block_size is None and fixed.prefill.block_size == fixed.decode.block_size == rec:
+            holds.append(f"{what} {val}")
+        else:
+            base = build_plan(result.model, prefill=replace(p, **change), decode=replace(d, **change),
+                              vllm_version=result.profile.name, platform=result.platform.name, isls=(1024,))
+            fails.append({"dtype": f"{what} {val}", "block_size": base.recommended_block_size})
+    return {"block_size": rec, "assumes": [f"KV {kv_now}"] + ([f"SSM {ssm_now}"] if result.model.has_mamba else []),
+            "also_holds_for": holds, "fails_for": fails}
+
+
+def verdict_dict(data: dict[str, Any], fix_check: dict[str, Any] | None) -> dict[str, Any]:
+    errs = [f for f in data["findings"] if f["severity"] == "error"]
+    warns = [f for f in data["findings"] if f["severity"] == "warning"]
+    top = errs[0] if errs else None
+    return {"ok": not errs, "errors": len(errs), "warnings": len(warns),
+            "top_code": top["code"] if top else None, "top_fix": top["fix"] if top else None,
+            "warning_codes": [w["code"] for w in warns], "block_fix_check": fix_check}
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def verdict_line(data: dict[str, Any]) -> Verdict:
+    v = data["verdict"]
+    warn = f"{_plural(v['warnings'], 'warning')} ({', '.join(v['warning_codes'])})" if v["warnings"] else "no warnings"
+    if v["ok"]:
+        return Verdict(level="warning" if v["warnings"] else "ok",
+                       text=f"OK: vLLM {data['vllm_profile']} accepts this P/D pair; 0 errors, {warn}.")
+    text = f"REFUSED: {_plural(v['errors'], 'error')}, {warn}. Top: {v['top_code']}. Fix: {v['top_fix']}"
+    chk = v.get("block_fix_check")
+    if chk and v["top_code"] and "block" in v["top_code"]:
+        text += f"; planned for {', '.join(chk['assumes'])}"
+        if chk["also_holds_for"]:
+            text += f" and also right for {', '.join(chk['also_holds_for'])}"
+        for f in chk["fails_for"]:
+            text += f"; with {f['dtype']} use --block-size {f['block_size']} instead"
+    return Verdict(level="error", text=text + ".")
+
+
+def preface(data: dict[str, Any]) -> list[str]:
+    p = data["prefill"]
+    dt = f"dtypes: KV cache {p['kv_cache_dtype']}"
+    if p["ssm_dtype"]:
+        dt += f", conv state {p['conv_dtype']}, SSM state {p['ssm_dtype']}"
+    why = [f["message"] for f in data["findings"] if f["code"] == "dtype"]
+    lines = [dt + (f" ({'; '.join(why)})" if why else "")]
+    for f in data["findings"]:
+        if f["code"] == "model-config":
+            lines.append("Assumed: " + f["message"].replace("bundled config is incomplete; not found upstream: ",
+                                                            "(bundled config) "))
+    return lines
+
+
 def render(data: dict[str, Any]) -> Report:
     m = data["model"]
     p, d = data["prefill"], data["decode"]
-    rep = Report()
+    rep = Report(verdict=verdict_line(data), preface=preface(data))
+    rep.tables.append(Table(title="Findings", headers=["severity", "code", "message", "fix"], heading_columns=2,
+                            rows=[[SEVERITY[f["severity"]], f["code"], f["message"], f["fix"]]
+                                  for f in data["findings"]]))
     rep.tables.append(Table(
         title=f"Model {m['id']}", headers=["field", "value"],
         rows=[["family / architecture", f"{m['family']} / {m['architecture']}"],
@@ -164,17 +259,16 @@ def render(data: dict[str, Any]) -> Report:
         rows = []
         for t in data["transfer"]:
             desc = (f"{t['descriptors']:,}" if t["descriptors"] == t["descriptors_min"]
-                    else f"{t['descriptors_min']:,}-{t['descriptors']:,}")
+                    else f"{t['descriptors']:,} ({t['descriptors_min']:,} if coalesced)")
             rows.append([t["isl"], fmt_bytes(t["fa_bytes"]), fmt_bytes(t["mamba_bytes"]), fmt_bytes(t["bytes"]),
                          fmt_bytes(t["naive_bytes"]), fmt_bytes(t["bytes_saved"]), desc, t["reads"],
                          *([_est_cell(t["estimate"])] if est else [])])
         rep.tables.append(Table(title="Per request, all D ranks (N-1 rule applied)" if m["mamba_layers"]
                                 else "Per request, all D ranks",
                                 headers=["ISL", "FA", "Mamba", "moved", "naive (padded)", "saved", "descriptors",
-                                         "READs", *(["est. time"] if est else [])], rows=rows))
+                                         "READs", *(["est. time"] if est else [])], rows=rows,
+                                caption="descriptors: as vLLM issues them, summed over D ranks; '(N if coalesced)' "
+                                        "= every contiguous run merged into one descriptor"))
         if est:
             rep.notes.append(_est_note(data["calibration"]))
-    sev = {"error": "ERROR", "warning": "warn", "info": "info"}
-    rep.tables.append(Table(title="Findings", headers=["severity", "code", "message", "fix"],
-                            rows=[[sev[f["severity"]], f["code"], f["message"], f["fix"]] for f in data["findings"]]))
     return rep
