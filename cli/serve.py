@@ -63,9 +63,21 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
               help="Validate the generated arguments with vLLM's own parser (needs vLLM in --vllm-python).")
 @click.option("--emit", type=click.Choice(["k8s"]), default=None, help="Write Kubernetes manifests instead.")
 @click.option("-o", "--output", "output", default="-", show_default=True, help="File for --emit (- = stdout).")
-@click.option("--image", default="vllm/vllm-openai:latest", show_default=True, help="Container image (--emit k8s).")
+@click.option("--target", "k8s_target", type=click.Choice(["plain", "llm-d", "lws"]), default=None,
+              help="--emit k8s: plain Deployments + hybridpd proxy, llm-d (InferencePool, EPP, decode routing "
+                   "sidecar), or lws (the same routing over an LWS DisaggregatedSet). Default: plain.")
+@click.option("--image", default=None,
+              help="vLLM image (--emit k8s). Default: vllm/vllm-openai:vX.Y.Z of the release the plan targets.")
 @click.option("--namespace", default=None, help="Namespace (--emit k8s).")
-@click.option("--llm-d", "llm_d", is_flag=True, help="Add llm-d labels/annotations (--emit k8s).")
+@click.option("--llm-d", "llm_d", is_flag=True, help="Same as --target llm-d (kept for old scripts).")
+@click.option("--k8s-name", default="hybridpd", show_default=True, help="Name stem of the emitted objects.")
+@click.option("--k8s-model", default=None,
+              help="The model as pods see it (Hugging Face id, or a path inside the image or a volume). "
+                   "Default: the plan's Hugging Face id.")
+@click.option("--proxy-image", default="hybridpd:0.1.0", show_default=True,
+              help="Image with hybridpd for the plain target's proxy (built from the repository's Dockerfile).")
+@click.option("--sidecar-image", default=None, help="llm-d routing sidecar image (default: pinned release).")
+@click.option("--epp-image", default=None, help="llm-d endpoint picker image (default: pinned release).")
 @click.option("--grace", type=click.FloatRange(min=0), default=15.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping.")
 @click.option("--health-timeout", type=click.FloatRange(min=1), default=900.0, show_default=True,
@@ -85,7 +97,7 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
       hybridpd serve ./tiny-llama --platform cpu --vllm-python /venvs/vllm/bin/python \\
           --dry-run --json -- --load-format dummy --seed 0
       hybridpd serve ./tiny-llama --platform cpu --vllm-python /venvs/vllm/bin/python --check
-      hybridpd serve granite-micro --ptp 2 --dtp 2 --emit k8s -o pd.yaml --llm-d
+      hybridpd serve nano --ptp 2 --dtp 2 --emit k8s --target llm-d -o pd.yaml
     """
     from hybridpd.launch import (
         LaunchOptions,
@@ -128,15 +140,21 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
             hint(f"warning: [{f.code}] {f.message} (fix: {f.fix})")
 
     if kw["emit"] == "k8s":
-        from hybridpd.fsutil import write_atomic
-        from hybridpd.k8s import manifests, to_yaml
+        from hybridpd.k8s import K8sOptions, build_manifests, to_yaml, write_output
 
-        text = to_yaml(manifests(lp, image=kw["image"], namespace=kw["namespace"], llm_d=kw["llm_d"]))
+        m = build_manifests(lp, K8sOptions(
+            target=kw["k8s_target"] or ("llm-d" if kw["llm_d"] else "plain"), name=kw["k8s_name"],
+            namespace=kw["namespace"], image=kw["image"], proxy_image=kw["proxy_image"],
+            sidecar_image=kw["sidecar_image"], epp_image=kw["epp_image"], model=kw["k8s_model"],
+            vllm_version=kw["vllm_version"], allow_errors=kw["force"]))
+        for n in m.notes:
+            hint(f"note: {n}")
         if kw["output"] == "-":
-            click.echo(text, nl=False)
+            click.echo(to_yaml(m.docs), nl=False)
         else:
-            write_atomic(kw["output"], text)
-            hint(f"wrote {len(lp.processes) * 2} manifests to {kw['output']}")
+            written = write_output(m, kw["output"])
+            hint(f"wrote {len(m.docs)} objects ({m.target}, compat {m.compat_key}, {m.image}) to {kw['output']}"
+                 + (f" ({len(written)} files)" if len(written) > 1 else ""))
         return
 
     if kw["check"]:

@@ -1,94 +1,484 @@
-"""`hybridpd serve --emit k8s`: plain Deployments + Services from a LaunchPlan (no yaml dependency).
+"""`hybridpd serve --emit k8s`: Kubernetes manifests from the same LaunchPlan as a local launch.
 
-Each document is JSON, which is valid YAML; documents are separated by `---`. Written atomically.
+Three targets (``K8sOptions.target``):
+
+- ``plain``: a prefill and a decode Deployment + Service, and the hybridpd proxy (image built from the
+  repository's ``Dockerfile``) as the entry Service.
+- ``llm-d``: what llm-d's P/D guide deploys (``guides/pd-disaggregation/modelserver/gpu/vllm/base``):
+  Deployments with ``llm-d.ai/role``, the decode pod's ``routing-proxy`` native sidecar, an
+  InferencePool and the endpoint picker (EPP) with the P/D plugins (:mod:`hybridpd.k8s_llmd`).
+- ``lws``: the same routing, with the pods in one LWS ``DisaggregatedSet`` instead of Deployments.
+
+What hybridpd adds to the guides: the hybrid settings the plan decided (DS conv layout, HMA kept on,
+one ``--block-size``, dtype flags, prefix caching) on both sides, images pinned to the exact vLLM
+release the plan targets, and the NIXL compatibility factors as pod labels, so that pods of different
+releases or settings never share a pool (one InferencePool per compatibility key).
+
+Pure except :func:`write_output`. YAML comes from PyYAML (imported lazily).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import HybridPDError, UsageError
+from .findings import ERROR, Finding
 from .launch import LaunchPlan, ProcessSpec
 
-DEFAULT_IMAGE = "vllm/vllm-openai:latest"
-POD_IP_ENV = "POD_IP"
+TARGETS = ("plain", "llm-d", "lws")
+VLLM_IMAGE_REPO = "vllm/vllm-openai"
+# The image the repository's Dockerfile builds (``docker build -t hybridpd:0.1.0 .``); push it to your
+# registry and pass --proxy-image there.
+PROXY_IMAGE = "hybridpd:0.1.0"
+# Releases hybridpd has profiles and unpacked sources for; an X.Y version resolves to the newest here.
+KNOWN_RELEASES = ("0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.0", "0.28.0",
+                  "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+# From 0.28 the NIXL compatibility hash also covers the speculative config and the transfer mode
+# (vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py, compute_nixl_compatibility_hash).
+SPEC_AND_MODE_IN_HASH_FROM = (0, 28, 0)
+PREFILL_PORT = 8000  # vLLM on prefill pods (llm-d: the InferencePool target port)
+DECODE_PORT = 8200  # vLLM on decode pods behind the routing sidecar (llm-d guide)
+SIDECAR_PORT = 8000
+PLAIN_PORT = 8000  # vLLM on every pod of the plain target
+NIXL_PORT = 5600  # VLLM_NIXL_SIDE_CHANNEL_PORT (+ DP index), named `nixl` as in llm-d's guide
+LABEL_PREFIX = "hybridpd.io"
+# Environment that only makes sense on the machine that ran `serve`.
+_HOST_ONLY_ENV = ("CUDA_VISIBLE_DEVICES", "UCX_NET_DEVICES", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_HOST_IP")
 
 
-def _name(prefix: str, proc: ProcessSpec) -> str:
-    return re.sub(r"[^a-z0-9-]", "-", f"{prefix}-{proc.name}".lower()).strip("-")[:63]
+class ManifestRefused(HybridPDError):
+    """The manifests would deploy P and D that cannot hand over KV (different compatibility keys)."""
 
 
-def _container_args(proc: ProcessSpec) -> list[str]:
-    """The process argv with --host bound to all interfaces (pods are reached through Services)."""
-    args = list(proc.argv)
-    for i, a in enumerate(args[:-1]):
-        if a == "--host":
-            args[i + 1] = "0.0.0.0"
-    return args
+@dataclass(frozen=True, kw_only=True)
+class K8sOptions:
+    target: str = "plain"
+    name: str = "hybridpd"
+    namespace: str | None = None
+    image: str | None = None  # None: vllm/vllm-openai:v<release the plan targets>
+    proxy_image: str = PROXY_IMAGE
+    sidecar_image: str | None = None  # None: k8s_llmd.SIDECAR_IMAGE
+    epp_image: str | None = None  # None: k8s_llmd.EPP_IMAGE
+    model: str | None = None  # the model as pods see it; None: the plan's Hugging Face id
+    vllm_version: str | None = None  # what the user asked for (X.Y or X.Y.Z)
+    allow_errors: bool = False  # emit despite a compatibility-key mismatch
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise UsageError(f"unknown target {self.target!r}", field="--target", fix=f"use one of {', '.join(TARGETS)}")
+        if not re.fullmatch(r"[a-z]([-a-z0-9]{0,28}[a-z0-9])?", self.name):
+            raise UsageError(f"{self.name!r} is not a DNS label of at most 30 characters starting with a letter",
+                             field="--name",
+                             fix="use lower-case letters, digits and '-', e.g. nano-pd")
+        if self.namespace is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.namespace):
+            raise UsageError(f"{self.namespace!r} is not a valid namespace", field="--namespace")
+        for fname, img in (("--image", self.image), ("--proxy-image", self.proxy_image),
+                           ("--sidecar-image", self.sidecar_image), ("--epp-image", self.epp_image)):
+            if img is not None:
+                check_image(img, field=fname)
 
 
-def manifests(lp: LaunchPlan, *, name: str = "hybridpd", image: str = DEFAULT_IMAGE,
-              namespace: str | None = None, llm_d: bool = False) -> list[dict[str, Any]]:
-    docs: list[dict[str, Any]] = []
-    svc_url = {p.name: f"http://{_name(name, p)}:{p.port}" for p in lp.processes}
-    for p in lp.processes:
-        n = _name(name, p)
-        labels = {"app.kubernetes.io/name": n, "app.kubernetes.io/part-of": name, "hybridpd/role": p.role}
-        annotations: dict[str, str] = {}
-        if llm_d and p.role in ("prefill", "decode"):
-            labels["llm-d.ai/inferenceServing"] = "true"
-            labels["llm-d.ai/role"] = p.role
-            annotations["llm-d.ai/tp"] = str(p.tp)
-        env: list[dict[str, Any]] = []
-        if p.role in ("prefill", "decode"):
-            env.append({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
-        for k, v in p.env:
-            if k == "CUDA_VISIBLE_DEVICES":
-                continue  # the device plugin assigns GPUs
-            if k == "VLLM_NIXL_SIDE_CHANNEL_HOST":
-                v = f"$({POD_IP_ENV})"
-            if k == "UCX_NET_DEVICES" and v == "lo":
-                continue  # pods talk over the pod network
-            env.append({"name": k, "value": v})
-        args = _container_args(p)
-        if p.role == "proxy":
-            for i, a in enumerate(args):
-                for proc in lp.servers:
-                    if a == proc.url:
-                        args[i] = svc_url[proc.name]
-        ports = [{"name": "http", "containerPort": p.port}]
-        if p.side_channel_port is not None:
-            ports.append({"name": "nixl-side", "containerPort": p.side_channel_port})
-        container: dict[str, Any] = {
-            "name": p.role, "image": image, "command": args[:1], "args": args[1:], "env": env, "ports": ports,
-            "readinessProbe": {"httpGet": {"path": "/health", "port": p.port}, "periodSeconds": 5,
-                               "failureThreshold": 360},
-        }
-        if p.role in ("prefill", "decode") and lp.platform == "cuda":
-            container["resources"] = {"limits": {"nvidia.com/gpu": p.tp}}
-            container["volumeMounts"] = [{"name": "shm", "mountPath": "/dev/shm"}]
-        meta: dict[str, Any] = {"name": n, "labels": labels}
-        if namespace:
-            meta["namespace"] = namespace
+@dataclass(frozen=True)
+class Manifests:
+    docs: tuple[dict[str, Any], ...]
+    target: str
+    image: str
+    compat_key: str
+    factors: dict[str, Any] = field(compare=False)
+    findings: tuple[Finding, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def files(self) -> dict[str, str]:
+        """Kustomize-style directory: one file per object plus kustomization.yaml (name -> text)."""
+        out: dict[str, str] = {}
+        for d in self.docs:
+            fname = f"{d['kind'].lower()}-{d['metadata']['name']}.yaml"
+            out[fname] = to_yaml([d])
+        kust: dict[str, Any] = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
+        if self.docs and "namespace" in self.docs[0]["metadata"]:
+            kust["namespace"] = self.docs[0]["metadata"]["namespace"]
+        kust["resources"] = list(out)
+        out["kustomization.yaml"] = to_yaml([kust])
+        return out
+
+
+# -------------------------------------------------------------------------------------- validation
+
+
+def check_image(image: str, *, field: str) -> None:
+    """An image reference pinned to a tag other than `latest`, or to a digest."""
+    last = image.rsplit("/", 1)[-1]
+    if "@sha256:" in image:
+        return
+    if ":" not in last:
+        raise UsageError(f"{image!r} has no tag (Kubernetes pulls :latest)", field=field,
+                         fix=f"pin a release, e.g. {image}:v0.32.0")
+    if last.endswith(":latest"):
+        raise UsageError(f"{image!r} is not pinned: P and D must run one exact release", field=field,
+                         fix="use a release tag (vX.Y.Z) or a digest")
+
+
+def resolve_release(version: str | None, entry_version: str | None, profile_first: tuple[int, int, int],
+                    profile_last: tuple[int, int, int]) -> tuple[str, str | None]:
+    """The exact vLLM release X.Y.Z the image is pinned to, and a note when it had to be chosen."""
+    for text in (version, entry_version):
+        if text:
+            m = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)", text.strip())
+            if m:
+                return f"{m.group(1)}.{m.group(2)}.{m.group(3)}", None
+    want = None
+    if version:
+        m = re.fullmatch(r"v?(\d+)\.(\d+)", version.strip())
+        if m:
+            want = (int(m.group(1)), int(m.group(2)))
+    cands = [r for r in KNOWN_RELEASES if profile_first <= _vt(r) <= profile_last
+             and (want is None or _vt(r)[:2] == want)]
+    if not cands:
+        raise UsageError(f"no exact vLLM release known for {version or 'this profile'}", field="--vllm-version",
+                         fix="pass --vllm-version X.Y.Z (the release your image runs) or --image")
+    rel = max(cands, key=_vt)
+    return rel, (f"image pinned to {VLLM_IMAGE_REPO}:v{rel}, the newest {rel.rsplit('.', 1)[0]} release hybridpd "
+                 "knows; pass --vllm-version X.Y.Z or --image for another")
+
+
+def _vt(text: str) -> tuple[int, int, int]:
+    a, b, c = (int(x) for x in text.split("."))
+    return a, b, c
+
+
+# ---------------------------------------------------------------------------------- compatibility
+
+
+def compat_factors(lp: LaunchPlan, side: str, *, release: str, model: str) -> dict[str, Any]:
+    """The NIXL compatibility-hash inputs hybridpd knows before launch, for one side.
+
+    vLLM hashes the release, NIXL connector version, --model string, dtype, KV heads/head size/layers
+    (equal on both sides for one checkpoint), attention backend, cache dtype and HMA on/off; from 0.28
+    also the speculative config and the transfer mode. This is hybridpd's key over the same inputs, not
+    vLLM's digest (which needs the resolved engine config).
+    """
+    if lp.plan is None:
+        raise UsageError("the launch plan has no layout plan", field="--emit")
+    lay = lp.plan.prefill if side == "prefill" else lp.plan.decode
+    s = lay.settings
+    f: dict[str, Any] = {
+        "vllm_version": release,
+        "nixl_connector_version": lp.plan.profile.nixl_connector_version,
+        "model": model,
+        "dtype": s.dtype or lp.plan.model.model_dtype,
+        "attention_backend": (s.attention_backend or lay.backend or "auto").lower(),
+        "cache_dtype": lay.dtypes.kv,
+        "hma": not s.disable_hybrid_kv_cache_manager,
+    }
+    if _vt(release) >= SPEC_AND_MODE_IN_HASH_FROM:
+        f["num_speculative_tokens"] = s.num_speculative_tokens
+        f["transfer_mode"] = "pull"
+    return f
+
+
+def compat_key(factors: dict[str, Any]) -> str:
+    """12 hex digits of sha256 over the canonical JSON of the factors."""
+    return hashlib.sha256(json.dumps(factors, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:12]
+
+
+def compat_finding(p: dict[str, Any], d: dict[str, Any]) -> Finding | None:
+    diff = sorted(k for k in set(p) | set(d) if p.get(k) != d.get(k))
+    if not diff:
+        return None
+    text = ", ".join(f"{k} (P {p.get(k)!r}, D {d.get(k)!r})" for k in diff)
+    return Finding(severity=ERROR, code="compat-hash-mismatch",
+                   message=f"P and D would get different NIXL compatibility hashes: {text}; D rejects P's handshake",
+                   fix="give both sides the same value for " + ", ".join(diff))
+
+
+def label_value(text: str) -> str:
+    """A Kubernetes label value (<= 63 chars of [A-Za-z0-9._-], alphanumeric at both ends)."""
+    v = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:63].rstrip("-._")
+    return v or "unknown"
+
+
+# ------------------------------------------------------------------------------------ model server
+
+
+def served_model(lp: LaunchPlan, override: str | None) -> str:
+    if override:
+        return override
+    if lp.plan is not None and not os.path.isabs(lp.model) and not os.path.exists(lp.model):
+        return lp.model
+    mid = lp.plan.model.model_id if lp.plan is not None else lp.model
+    if mid and not os.path.isabs(mid) and not os.path.exists(mid) and "/" in mid:
+        return mid
+    raise UsageError(f"the model is a local path ({lp.model}) that pods cannot see", field="--k8s-model",
+                     fix="pass --k8s-model with a Hugging Face id or a path inside the image or a mounted volume")
+
+
+def vllm_flags(p: ProcessSpec, lp: LaunchPlan, *, port: int) -> list[str]:
+    """P/D's vLLM flags without the model, the host and the local port, then --port PORT."""
+    rest = list(p.argv[len(lp.entry.prefix) + 2:])  # after "serve MODEL" (cli) / "--model MODEL" (api_server)
+    out: list[str] = []
+    i = 0
+    while i < len(rest):
+        if rest[i] in ("--host", "--port"):
+            i += 2
+            continue
+        out.append(rest[i])
+        i += 1
+    lay = None if lp.plan is None else lp.plan.prefill if p.role == "prefill" else lp.plan.decode
+    if lay is not None and lay.model.has_mamba and not {"--enable-prefix-caching", "--no-enable-prefix-caching"} & set(out):
+        # pin what the plan assumed, so an image with another default cannot change the layout
+        out.append("--enable-prefix-caching" if lay.prefix_caching else "--no-enable-prefix-caching")
+    return [*out, f"--port={port}"]
+
+
+def server_env(p: ProcessSpec, *, keep_alive: bool) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN", "optional": True}}},
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_PORT)},
+    ]
+    for k, v in p.env:
+        if k in _HOST_ONLY_ENV or k.startswith("VLLM_NIXL_SIDE_CHANNEL_"):
+            continue
+        env.append({"name": k, "value": v})
+    if keep_alive:
+        # llm-d's DisaggregatedSet: vLLM's 5 s keep-alive is shorter than the sidecar's 90 s idle timeout.
+        env.append({"name": "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "value": "120"})
+    return env
+
+
+def server_container(p: ProcessSpec, lp: LaunchPlan, *, image: str, model: str, port: int,
+                     keep_alive: bool) -> dict[str, Any]:
+    c: dict[str, Any] = {
+        "name": "modelserver", "image": image, "command": ["vllm", "serve"],
+        "args": [model, *vllm_flags(p, lp, port=port)],
+        "env": server_env(p, keep_alive=keep_alive),
+        "ports": [{"name": "modelserver", "containerPort": port, "protocol": "TCP"},
+                  {"name": "nixl", "containerPort": NIXL_PORT, "protocol": "TCP"}],
+        "startupProbe": {"httpGet": {"path": "/health", "port": "modelserver"}, "initialDelaySeconds": 15,
+                         "periodSeconds": 30, "timeoutSeconds": 5, "failureThreshold": 120},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "modelserver"}, "periodSeconds": 10,
+                          "timeoutSeconds": 5, "failureThreshold": 3},
+        "readinessProbe": {"httpGet": {"path": "/v1/models", "port": "modelserver"}, "periodSeconds": 5,
+                           "timeoutSeconds": 2, "failureThreshold": 3},
+        "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
+    }
+    if lp.platform == "cuda":
+        gpus = str(p.tp)
+        c["resources"] = {"limits": {"nvidia.com/gpu": gpus}, "requests": {"nvidia.com/gpu": gpus}}
+    return c
+
+
+SHM_VOLUME = {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "20Gi"}}
+
+
+# ------------------------------------------------------------------------------------------ build
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What every target's builder needs, derived once."""
+
+    lp: LaunchPlan
+    opts: K8sOptions
+    image: str
+    model: str
+    keys: dict[str, str]  # role -> compatibility key (equal unless --force over a mismatch)
+    factors: dict[str, dict[str, Any]]  # role -> compatibility factors
+
+    @property
+    def key(self) -> str:
+        return self.keys["prefill"]
+
+    @property
+    def base(self) -> str:
+        """Name stem of every object of one compatibility key: a new key (upgrade) gets new objects."""
+        return f"{self.opts.name}-{self.key[:8]}"
+
+    def pools(self) -> list[tuple[str, str]]:
+        """(pool name, key) per distinct compatibility key: llm-d's one InferencePool per upgrade."""
+        out = [(self.base, self.key)]
+        if self.keys["decode"] != self.key:
+            out.append((f"{self.opts.name}-{self.keys['decode'][:8]}", self.keys["decode"]))
+        return out
+
+    def meta(self, name: str, labels: dict[str, str] | None = None,
+             annotations: dict[str, str] | None = None) -> dict[str, Any]:
+        m: dict[str, Any] = {"name": name}
+        if self.opts.namespace:
+            m["namespace"] = self.opts.namespace
+        m["labels"] = {**self.common_labels(), **(labels or {})}
         if annotations:
-            meta["annotations"] = annotations
-        pod_spec: dict[str, Any] = {"containers": [container]}
-        if "volumeMounts" in container:
-            pod_spec["volumes"] = [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
-        docs.append({
-            "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
-            "spec": {"replicas": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": n}},
-                     "template": {"metadata": {"labels": labels, **({"annotations": annotations}
-                                                                    if annotations else {})},
-                                  "spec": pod_spec}}})
-        docs.append({
-            "apiVersion": "v1", "kind": "Service", "metadata": {k: v for k, v in meta.items() if k != "annotations"},
-            "spec": {"selector": {"app.kubernetes.io/name": n},
-                     "ports": [{"name": pt["name"], "port": pt["containerPort"], "targetPort": pt["containerPort"]}
-                               for pt in ports]}})
+            m["annotations"] = annotations
+        return m
+
+    def common_labels(self) -> dict[str, str]:
+        return {"app.kubernetes.io/part-of": self.opts.name, "app.kubernetes.io/managed-by": "hybridpd"}
+
+    def pod_labels(self, role: str) -> dict[str, str]:
+        """Labels of P/D pods: llm-d's role and pool labels, and the compatibility factors."""
+        f = self.factors[role]
+        return {
+            **self.common_labels(),
+            "app.kubernetes.io/name": f"{self.base}-{role}",
+            "llm-d.ai/inference-serving": "true",
+            "llm-d.ai/role": role,
+            "llm-d.ai/model": label_value(self.model.rsplit("/", 1)[-1]),
+            "inference.networking.k8s.io/engine-type": "vllm",
+            f"{LABEL_PREFIX}/compat": self.keys[role],
+            f"{LABEL_PREFIX}/vllm-version": label_value(f["vllm_version"]),
+            f"{LABEL_PREFIX}/attention-backend": label_value(str(f["attention_backend"])),
+            f"{LABEL_PREFIX}/cache-dtype": label_value(str(f["cache_dtype"])),
+            f"{LABEL_PREFIX}/hma": "on" if f["hma"] else "off",
+        }
+
+    def pod_annotations(self, role: str, p: ProcessSpec) -> dict[str, str]:
+        return {f"{LABEL_PREFIX}/compat-factors": json.dumps(self.factors[role], sort_keys=True),
+                f"{LABEL_PREFIX}/vllm-profile": self.lp.vllm_profile,
+                f"{LABEL_PREFIX}/tp": str(p.tp)}
+
+    def pool_selector(self, key: str) -> dict[str, str]:
+        return {"app.kubernetes.io/part-of": self.opts.name, f"{LABEL_PREFIX}/compat": key}
+
+
+def build_manifests(lp: LaunchPlan, opts: K8sOptions) -> Manifests:
+    """All objects of one target, from the launch plan. Raises ManifestRefused on a compat mismatch."""
+    if lp.plan is None:
+        raise UsageError("the launch plan carries no layout plan", field="--emit")
+    if not lp.by_role("prefill") or not lp.by_role("decode"):
+        raise UsageError("manifests need both sides", field="--role", fix="use --role all with --emit k8s")
+    notes: list[str] = []
+    if lp.platform != "cuda" and opts.image is None:
+        raise UsageError(f"{VLLM_IMAGE_REPO} is a CUDA image; the plan is for {lp.platform}", field="--image",
+                         fix="pass --image with a vLLM image for that platform")
+    prof = lp.plan.profile
+    release, note = resolve_release(opts.vllm_version, lp.entry.version, prof.first, prof.last)
+    if note and opts.image is None:
+        notes.append(note)
+    image = opts.image or f"{VLLM_IMAGE_REPO}:v{release}"
+    model = served_model(lp, opts.model)
+    fp = compat_factors(lp, "prefill", release=release, model=model)
+    fd = compat_factors(lp, "decode", release=release, model=model)
+    findings: list[Finding] = []
+    bad = compat_finding(fp, fd)
+    if bad is not None:
+        findings.append(bad)
+        if not opts.allow_errors:
+            raise ManifestRefused(f"[{bad.code}] {bad.message}", fix=bad.fix + ", or --force to emit anyway")
+        notes.append("emitting despite a compatibility-key mismatch (--force): P and D land in separate pools")
+    ctx = Ctx(lp=lp, opts=opts, image=image, model=model,
+              keys={"prefill": compat_key(fp), "decode": compat_key(fd)}, factors={"prefill": fp, "decode": fd})
+    if opts.target == "plain":
+        docs = _plain(ctx)
+    else:
+        from . import k8s_llmd
+
+        docs = k8s_llmd.build(ctx)
+    return Manifests(docs=tuple(docs), target=opts.target, image=image, compat_key=ctx.key, factors=fp,
+                     findings=tuple(findings), notes=tuple(notes))
+
+
+def deployment(ctx: Ctx, role: str, replicas: int, pod_spec: dict[str, Any], p: ProcessSpec) -> dict[str, Any]:
+    labels = ctx.pod_labels(role)
+    sel = {"app.kubernetes.io/name": labels["app.kubernetes.io/name"], f"{LABEL_PREFIX}/compat": ctx.keys[role]}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": ctx.meta(f"{ctx.base}-{role}", labels),
+            "spec": {"replicas": replicas, "selector": {"matchLabels": sel},
+                     "template": {"metadata": {"labels": labels, "annotations": ctx.pod_annotations(role, p)},
+                                  "spec": pod_spec}}}
+
+
+def service(ctx: Ctx, name: str, selector: dict[str, str], ports: list[tuple[str, int]]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": ctx.meta(name),
+            "spec": {"selector": selector,
+                     "ports": [{"name": n, "port": port, "targetPort": port, "protocol": "TCP"} for n, port in ports]}}
+
+
+def _plain(ctx: Ctx) -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    urls: dict[str, str] = {}
+    for role in ("prefill", "decode"):
+        procs = ctx.lp.by_role(role)
+        c = server_container(procs[0], ctx.lp, image=ctx.image, model=ctx.model, port=PLAIN_PORT, keep_alive=False)
+        dep = deployment(ctx, role, len(procs), {"containers": [c], "volumes": [SHM_VOLUME]}, procs[0])
+        docs.append(dep)
+        svc = f"{ctx.base}-{role}"
+        docs.append(service(ctx, svc, dep["spec"]["selector"]["matchLabels"], [("http", PLAIN_PORT)]))
+        urls[role] = f"http://{svc}:{PLAIN_PORT}"
+    px = ctx.lp.proxy
+    policy = "round_robin"
+    if px is not None and "--policy" in px.argv:
+        policy = px.argv[px.argv.index("--policy") + 1]
+    name = f"{ctx.opts.name}-proxy"
+    labels = {"app.kubernetes.io/name": name}
+    proxy = {
+        "name": "proxy", "image": ctx.opts.proxy_image, "command": ["python", "-m", "hybridpd.proxy"],
+        "args": ["--host", "0.0.0.0", "--port", str(PLAIN_PORT), "--policy", policy,
+                 "--prefill", urls["prefill"], "--decode", urls["decode"]],
+        "ports": [{"name": "http", "containerPort": PLAIN_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+    }
+    docs.append({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": ctx.meta(name, labels),
+                 "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                          "template": {"metadata": {"labels": {**ctx.common_labels(), **labels},
+                                                    "annotations": {f"{LABEL_PREFIX}/compat": ctx.key}},
+                                       "spec": {"containers": [proxy]}}}})
+    docs.append(service(ctx, name, labels, [("http", PLAIN_PORT)]))
     return docs
 
 
-def to_yaml(docs: list[dict[str, Any]]) -> str:
-    return "".join(f"---\n{json.dumps(d, indent=2)}\n" for d in docs)
+# ------------------------------------------------------------------------------------------- YAML
+
+
+def to_yaml(docs: list[dict[str, Any]] | tuple[dict[str, Any], ...]) -> str:
+    """Multi-document YAML (PyYAML, block style, keys in insertion order)."""
+    import yaml
+
+    class _Dumper(yaml.SafeDumper):
+        pass
+
+    def _str(dumper: yaml.SafeDumper, s: str) -> yaml.Node:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+
+    _Dumper.add_representer(str, _str)
+    return yaml.dump_all(list(docs), Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+                         explicit_start=True, width=120)
+
+
+def write_output(m: Manifests, path: str) -> list[str]:
+    """Write one YAML file, or a kustomize-style directory when PATH ends with '/' or is a directory.
+
+    The file goes through an atomic rename beside PATH (a symlink at PATH is replaced, never followed).
+    A directory must not exist yet, or be empty: it is filled in a temporary sibling and renamed into
+    place, so a reader never sees half of it and no file the user did not name is overwritten.
+    """
+    from .fsutil import write_atomic
+
+    if path.endswith(os.sep) or os.path.isdir(path):
+        target = path.rstrip(os.sep) or path
+        if os.path.islink(target):
+            raise UsageError(f"{target} is a symlink", field="-o/--output", fix="name a real directory")
+        if os.path.isdir(target) and os.listdir(target):
+            raise UsageError(f"{target} is not empty", field="-o/--output",
+                             fix="name a new or empty directory (hybridpd never replaces files it was not given)")
+        import tempfile
+
+        parent = os.path.dirname(os.path.abspath(target))
+        tmp = tempfile.mkdtemp(prefix=".hybridpd-", dir=parent)
+        try:
+            files = m.files()
+            for fname, text in files.items():
+                write_atomic(os.path.join(tmp, fname), text)
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, target)  # an empty directory is replaced atomically; a non-empty one fails
+        except BaseException:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return [os.path.join(target, f) for f in files]
+    write_atomic(path, to_yaml(m.docs))
+    return [path]
