@@ -110,6 +110,7 @@ def diff(model: str, a_opts: str, b_opts: str, vary: tuple[tuple[str, str, str],
       hybridpd diff nano-fp8 --ptp 2 --dtp 4 --gpu-memory 141GB --b-recommended
     """
     from hybridpd.diff import Variant, diff_to_dict, diff_variants, release_string
+    from hybridpd.errors import UsageError
     from hybridpd.estimate import load_calibration, select
     from hybridpd.families import model_spec
     from hybridpd.host import installed_vllm_version
@@ -131,15 +132,18 @@ def diff(model: str, a_opts: str, b_opts: str, vary: tuple[tuple[str, str, str],
     kw_b.update(over_b)
     spec = model_spec(resolve(model, allow_network=base["allow_network"]))
 
-    def variant(kw: dict[str, Any], label: str) -> Variant:
-        entry = select(load_calibration(kw["calibration_path"]), kw["link"], platform=kw["platform"])
-        p, d = settings_from(kw)
-        version = kw["vllm_version"] or installed_vllm_version()
-        plan = build_plan(spec, prefill=p, decode=d, vllm_version=version, platform=kw["platform"], isls=isls)
+    def variant(kw: dict[str, Any], label: str, which: str) -> Variant:
+        try:
+            entry = select(load_calibration(kw["calibration_path"]), kw["link"], platform=kw["platform"])
+            p, d = settings_from(kw)
+            version = kw["vllm_version"] or installed_vllm_version()
+            plan = build_plan(spec, prefill=p, decode=d, vllm_version=version, platform=kw["platform"], isls=isls)
+        except UsageError as e:
+            raise click.UsageError(f"{which} ({label}): {e}") from None
         return Variant(label=label, plan=plan, vllm_version=release_string(version, plan.profile),
                        version_arg=version, calibration=entry)
 
-    va = variant(kw_a, _label(vary, 1, a_opts))
+    va = variant(kw_a, _label(vary, 1, a_opts), "A")
     label_b = _label(vary, 2, b_opts)
     if b_recommended:
         rec = va.plan.recommended_block_size
@@ -148,7 +152,7 @@ def diff(model: str, a_opts: str, b_opts: str, vary: tuple[tuple[str, str, str],
                                    "agree, or the model is not hybrid); set B's block size with --b \"--block-size N\"")
         kw_b.update(block_size=rec, p_block_size=None, d_block_size=None)
         label_b = f"{label_b if b_opts or vary else ''} --block-size {rec} (A's recommendation)".strip()
-    vb = variant(kw_b, label_b)
+    vb = variant(kw_b, label_b, "B")
     result = diff_variants(va, vb)
     data = diff_to_dict(result)
     out = resolve_format(as_json, fmt)

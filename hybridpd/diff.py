@@ -159,10 +159,9 @@ def registered_rows(side: SideLayout, desc: DescriptorLayout) -> int | None:
 
 
 def desc_id_formula(side: SideLayout, desc: DescriptorLayout) -> str:
-    kv = "K, V separate" if side.profile.kv_descs_per_block == 2 else "K+V packed"
     nphys = "N_log" if side.physical_per_logical == 1 else f"{side.physical_per_logical}*N_log"
-    return (f"FA r*N_phys+b (r < {desc.fa_regions}: {kv}, N_phys = {nphys}); "
-            f"Mamba num_fa_descs+m*N_log+b (m < {desc.mamba_regions}, num_fa_descs = {desc.fa_regions}*N_phys)")
+    return (f"FA r*N_phys+b (r < {desc.fa_regions}, N_phys = {nphys}); "
+            f"Mamba {desc.fa_regions}*N_phys+m*N_log+b (m < {desc.mamba_regions})")
 
 
 def _side_facts(s: SideLayout) -> list[tuple[str, Value]]:

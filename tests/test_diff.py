@@ -1,0 +1,292 @@
+"""`hybridpd diff`: what an upgrade or a setting change does to a P/D deployment.
+
+Expected numbers are hand arithmetic over the reference's own figures, never this code's output:
+- Nemotron-3-Nano per rank: conv + SSM bytes 18,432 + 1,048,576 at TP 2 and 9,216 + 524,288 at TP 4, 4 Mamba
+  groups and 1 attention group, T = 6 layer slots, 2 KV heads of size 128 (vllm-hybrid-pd.md §2.5,
+  tests/test_reference_numbers.py);
+- blocks: bf16 TP 2 -> 2096, fp8 TP 2 -> 4176, fp8 TP 4 -> 2096; 0.20-0.24 FLASH_ATTN kernel [16, 32, 64] for an
+  fp32 SSM cache (kernel 16, ratio 131 at 2096), 0.25+ MultipleOf(16) (kernel = block, ratio 1)
+  (§2.5 table; vllm-0.24-0.33.md "Kernel block sizes on Hopper" and its appendix, 0.24.0 on an H200);
+- descriptors per D rank per request = kvd*T*L*ratio + 4*T*G_mamba, L = cdiv(N - 1, block) (§9.2), with
+  kvd = 2 (K, V separate) up to 0.25 and 1 (packed) from 0.26 (vllm-0.24-0.33.md, descriptor layout);
+  0.33's expanded count equals 0.32's, and Nano TP 1 registers 30 strided rows where 0.32 registered 870 flat
+  descriptors (vllm-0.24-0.33.md appendix);
+- NIXL_CONNECTOR_VERSION 0.24 = 4, 0.32 = 14, 0.33 = 15 (vllm-0.24-0.33.md table);
+- the compatibility hash covers vllm_version and cache_dtype but not TP or block size (§3, nixl/metadata.py).
+Golden files (tests/golden/diff/*.txt) pin the human rendering; regenerate with HYBRIDPD_REGEN_GOLDEN=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from hybridpd_cli.main import cli
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "diff"
+CAL = str(GOLDEN / "calibration.json")  # c = 10 µs per descriptor, bw = 1e9 B/s
+C_S, BW = 10e-6, 1e9
+
+T, G = 6, 4  # Nano layer slots and Mamba groups
+MAMBA_TP2 = 18_432 + 1_048_576
+MAMBA_TP4 = 9_216 + 524_288
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def invoke(*args: str) -> Any:
+    return CliRunner().invoke(cli, ["diff", *args])
+
+
+def run_json(*args: str, code: int = 0) -> dict[str, Any]:
+    r = invoke(*args, "--json")
+    assert r.exit_code == code, r.output
+    out: dict[str, Any] = json.loads(r.stdout)
+    return out
+
+
+def changes(d: dict[str, Any]) -> dict[tuple[str, Any, str], tuple[Any, Any]]:
+    return {(c["section"], c["scope"], c["field"]): (c["a"], c["b"]) for c in d["changes"]}
+
+
+def codes(fs: list[dict[str, str]]) -> set[str]:
+    return {f["code"] for f in fs}
+
+
+def descs(kvd: int, blocks: int, ratio: int) -> int:
+    """Descriptors one D rank issues for one request (reference §9.2)."""
+    return kvd * T * blocks * ratio + 4 * T * G
+
+
+UPGRADE = ("nano", "--ptp", "2", "--dtp", "2", "--isl", "1k,8k", "--calibration", CAL)
+
+
+def test_upgrade_024_to_032_descriptors_time_and_hash() -> None:
+    d = run_json(*UPGRADE, "--vary", "vllm-version", "0.24", "0.32")
+    c = changes(d)
+    l1, l8 = cdiv(1023, 2096), cdiv(8191, 2096)
+    assert (l1, l8) == (1, 4)
+    assert c[("transfer", 1024, "descriptors")] == (2 * descs(2, l1, 131), 2 * descs(1, l1, 1)) == (3336, 204)
+    assert c[("transfer", 8192, "descriptors")] == (2 * descs(2, l8, 131), 2 * descs(1, l8, 1)) == (12768, 240)
+    assert c[("transfer", 1024, "descriptors_per_rank")] == ([1668, 1668], [102, 102])
+    # the same blocks and pages: nothing about bytes or READs may be reported
+    for isl in (1024, 8192):
+        for f in ("bytes", "fa_bytes", "mamba_bytes", "naive_bytes", "reads", "tokens_transferred", "logical_blocks"):
+            assert ("transfer", isl, f) not in c, f
+    rank_bytes = T * l1 * 2096 * 512 + T * G * MAMBA_TP2  # FA pages of the block + Mamba state, per rank
+    a_s, b_s = c[("transfer", 1024, "est_request_s")]
+    assert a_s == pytest.approx(1668 * C_S + rank_bytes / BW)
+    assert b_s == pytest.approx(102 * C_S + rank_bytes / BW)
+    for role in ("prefill", "decode"):
+        assert c[("layout", role, "kernel_block_size")] == (16, 2096)
+        assert c[("layout", role, "physical_per_logical")] == (131, 1)
+        assert ("layout", role, "attention_block_size") not in c
+        assert ("layout", role, "page_size_bytes") not in c
+        assert c[("nixl", role, "fa_regions")] == (2 * T, T)
+        assert c[("nixl", role, "kv_descs_per_block")] == (2, 1)
+        assert ("nixl", role, "regions") not in c and ("nixl", role, "mamba_regions") not in c
+    pr = d["pairing"]
+    assert pr["hash_matches"] is False
+    f = {x["name"]: (x["a"], x["b"]) for x in pr["factors"]}
+    assert f["vllm_version"] == ("0.24.0", "0.32.0")
+    assert f["nixl_connector_version"] == (4, 14)
+    assert f["model"][0] == f["model"][1] and "model" not in pr["differing"]
+    assert "InferencePool" in pr["advice"] and pr["mixed_pairs"] == []
+    assert d["identical"] is False and d["b_introduces_error"] is False
+    assert "prefix-caching-hybrid" in codes(d["findings"]["added"])  # 0.32 turns hybrid prefix caching on
+
+
+def _has(version: str) -> bool:
+    from hybridpd.profiles import PROFILES, parse_version
+
+    v = parse_version(version)
+    return any(p.covers(v) for p in PROFILES)
+
+
+@pytest.mark.skipif(not _has("0.33"), reason="no vLLM 0.33 profile yet")
+def test_upgrade_024_to_033_with_a_b_options() -> None:
+    d = run_json(*UPGRADE, "--num-blocks", "29", "--a", "--vllm-version 0.24", "--b", "--vllm-version 0.33")
+    c = changes(d)
+    assert d["a"]["label"] == "--vllm-version 0.24" and d["b"]["label"] == "--vllm-version 0.33"
+    # 0.33 sends the ids 0.32 sends
+    assert c[("transfer", 1024, "descriptors")] == (3336, 204)
+    assert c[("transfer", 8192, "descriptors")] == (12768, 240)
+    for role in ("prefill", "decode"):
+        # flat: 2T FA regions x N_phys (29 x 131) + 4T Mamba regions x 29; strided: one row per region
+        assert c[("nixl", role, "registered_rows")] == (2 * T * 29 * 131 + 4 * T * 29, T + 4 * T)
+        assert "strided" in c[("nixl", role, "row_format")][1]
+    f = {x["name"]: (x["a"], x["b"]) for x in d["pairing"]["factors"]}
+    assert f["vllm_version"] == ("0.24.0", "0.33.0") and f["nixl_connector_version"] == (4, 15)
+    assert d["pairing"]["hash_matches"] is False
+
+
+@pytest.mark.skipif(not _has("0.33"), reason="no vLLM 0.33 profile yet")
+def test_032_to_033_registers_30_rows_instead_of_870() -> None:
+    d = run_json("nano", "--num-blocks", "29", "--vary", "vllm-version", "0.32", "0.33")
+    c = changes(d)
+    assert c[("nixl", "decode", "registered_rows")] == (870, 30)
+    assert not [k for k in c if k[0] == "transfer"]  # the same descriptors per request
+    assert not [k for k in c if k[0] == "layout"]
+
+
+def test_tp2_to_tp4_block_size_and_divisibility_error() -> None:
+    args = ("nano-fp8", "--ptp", "2", "--vllm-version", "0.32", "--isl", "1k", "--vary", "dtp", "2", "4")
+    d = run_json(*args)
+    c = changes(d)
+    assert c[("settings", "decode", "TP")] == (2, 4)
+    assert c[("layout", "decode", "attention_block_size")] == (4176, 2096)
+    assert c[("layout", "decode", "mamba_page_bytes")] == (MAMBA_TP2, MAMBA_TP4)
+    assert c[("layout", "decode", "page_size_bytes")] == (4176 * 256, 2096 * 256)  # 1 KV head (of 2) per rank
+    assert not [k for k in c if k[:2] in (("layout", "prefill"), ("nixl", "prefill"))]  # P is untouched
+    # 2 D ranks -> 4, each reading L = cdiv(1023, P block 4176) = 1 block from one P rank
+    assert c[("transfer", 1024, "descriptors")] == (2 * descs(1, 1, 1), 4 * descs(1, 1, 1)) == (204, 408)
+    assert c[("transfer", 1024, "reads")] == (2, 4)
+    assert d["a"]["error_codes"] == [] and d["b"]["error_codes"] == ["block-not-divisible"]
+    assert "block-not-divisible" in codes(d["findings"]["added"])
+    assert d["b_introduces_error"] is True
+    assert d["pairing"]["hash_matches"] is True and d["pairing"]["mixed_pairs"] == []  # only D changes
+    assert invoke(*args, "--strict", "--json").exit_code == 1
+    assert invoke(*args, "--exit-code", "--json").exit_code == 1
+
+
+def test_bf16_to_fp8_kv_block_capacity_and_hash() -> None:
+    d = run_json("nano", "--ptp", "2", "--dtp", "2", "--vllm-version", "0.32", "--kv-cache-memory", "40GB",
+                 "--isl", "1k", "--vary", "kv-cache-dtype", "auto", "fp8")
+    c = changes(d)
+    for role in ("prefill", "decode"):
+        assert c[("layout", role, "attn_bytes_per_token")] == (512, 256)
+        assert c[("layout", role, "attention_block_size")] == (2096, 4176)
+        assert c[("layout", role, "page_size_bytes")] == (2096 * 512, 4176 * 256)
+        assert c[("layout", role, "padding_bytes")] == (2096 * 512 - MAMBA_TP2, 4176 * 256 - MAMBA_TP2)
+        na, nb = 40 * 10**9 // (2096 * 512 * T), 40 * 10**9 // (4176 * 256 * T)
+        assert c[("capacity", role, "blocks")] == (na, nb) == (6212, 6236)
+        assert c[("capacity", role, "tokens")] == (na * 2096, nb * 4176)
+        assert ("layout", role, "mamba_page_bytes") not in c
+    assert c[("transfer", 1024, "fa_bytes")] == (2 * T * 2096 * 512, 2 * T * 4176 * 256)
+    assert ("transfer", 1024, "descriptors") not in c  # one block, ratio 1 on both
+    assert d["pairing"]["differing"] == ["cache_dtype"]
+    assert d["capacity"]["decode"]["blocks_change_pct"] == pytest.approx(100 * (6236 - 6212) / 6212, abs=1e-3)
+
+
+def test_block_size_recommendation_capacity_cost() -> None:
+    d = run_json("nano-fp8", "--ptp", "2", "--dtp", "4", "--vllm-version", "0.32", "--gpu-memory", "141GB",
+                 "--isl", "1k", "--b-recommended")
+    c = changes(d)
+    assert "--block-size 4176" in d["b"]["label"]  # the larger side's block, already a multiple of 16
+    assert c[("settings", "decode", "--block-size")] == (None, 4176)
+    assert c[("layout", "decode", "attention_block_size")] == (2096, 4176)
+    budget = int(141 * 10**9 * 0.9)
+    na, nb = budget // (2096 * 256 * T), budget // (4176 * 256 * T)
+    assert c[("capacity", "decode", "blocks")] == (na, nb) == (39416, 19783)
+    assert d["capacity"]["decode"]["blocks_change_pct"] == pytest.approx(100 * (nb - na) / na, abs=1e-3)
+    assert d["capacity"]["decode"]["blocks_change_pct"] < -49
+    assert ("capacity", "prefill", "blocks") not in c and ("layout", "prefill", "attention_block_size") not in c
+    assert "block-not-divisible" in codes(d["findings"]["removed"])
+    assert d["a"]["error_codes"] == ["block-not-divisible"] and d["b"]["error_codes"] == []
+
+
+def test_no_false_difference_when_b_pins_the_block_it_gets_anyway() -> None:
+    d = run_json("nano-fp8", "--ptp", "2", "--dtp", "2", "--vllm-version", "0.32", "--gpu-memory", "141GB",
+                 "--isl", "1k,8k", "--vary", "block-size", "-", "4176")
+    assert {c["section"] for c in d["changes"]} == {"settings"}
+    assert {(c["scope"], c["field"]) for c in d["changes"]} == {("prefill", "--block-size"), ("decode", "--block-size")}
+    assert d["pairing"]["hash_matches"] is True
+
+
+def test_identical_plans() -> None:
+    d = run_json("nano", "--vllm-version", "0.32", "--b", "--vllm-version 0.32.0")
+    assert d["identical"] is True and d["changes"] == []
+    assert d["findings"] == {"added": [], "removed": []}
+    r = invoke("nano", "--vllm-version", "0.32", "--exit-code", "--fmt", "plain")
+    assert r.exit_code == 0 and "nothing differs" in r.stdout
+
+
+def test_patch_release_changes_only_the_hash() -> None:
+    d = run_json("nano", "--vary", "vllm-version", "0.32.0", "0.32.1")
+    assert [(c["field"], c["a"], c["b"]) for c in d["changes"]] == [("vllm_version", "0.32.0", "0.32.1")]
+    assert d["pairing"]["differing"] == ["vllm_version"]
+    assert invoke("nano", "--vary", "vllm-version", "0.32.0", "0.32.1", "--exit-code", "--json").exit_code == 1
+
+
+def test_mixed_pairs_of_a_rolling_block_size_change() -> None:
+    # P and D both move from block 4176 to 8352: the hash matches, so old and new engines handshake.
+    d = run_json("nano-fp8", "--ptp", "2", "--dtp", "2", "--vllm-version", "0.32", "--isl", "1k",
+                 "--vary", "block-size", "4176", "8352")
+    pr = d["pairing"]
+    assert pr["hash_matches"] is True
+    mixed = {(m["prefill"], m["decode"]): codes(m["errors"]) for m in pr["mixed_pairs"]}
+    assert set(mixed) == {("A", "B"), ("B", "A")}
+    # D 4176 reading P 8352: 'Local block size 4176 is not divisible by remote block size 8352' (§9.3)
+    assert "block-not-divisible" in mixed[("B", "A")]
+    assert "must not mix" in pr["advice"]
+
+
+def test_json_keys_are_stable() -> None:
+    d = run_json("nano", "--vllm-version", "0.32", "--vary", "dtp", "1", "2")
+    assert list(d) == ["schema_version", "model", "a", "b", "identical", "b_introduces_error", "changes", "transfer",
+                       "capacity", "findings", "pairing"]
+    assert set(d["a"]) == {"label", "vllm_version", "vllm_profile", "nixl_connector_version", "platform", "ptp", "dtp",
+                           "ok", "recommended_block_size", "error_codes"}
+    assert all(set(c) == {"section", "scope", "field", "a", "b", "ratio"} for c in d["changes"])
+    assert set(d["pairing"]) == {"hash_matches", "differing", "factors", "mixed_pairs", "advice"}
+    assert set(d["capacity"]) == {"prefill", "decode"}
+    t = d["transfer"][0]
+    assert set(t) == {"isl", "changes"} and t["changes"]["descriptors"]["ratio"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--a", "--isl 1k"), "common to A and B"),
+    (("--b", "--dtp"), "--b"),
+    (("--b", "--dtp zero"), "--b"),
+    (("--b", "nano"), "unexpected extra argument"),
+    (("--a", '"--dtp 2'), "quote"),
+    (("--vary", "nosuch", "1", "2"), "not a plan option"),
+    (("--vary", "disable-hybrid-kv-cache-manager", "maybe", "on"), "on or off"),
+    (("--b-recommended",), "no block-size recommendation"),
+    (("--b-recommended", "--b", "--block-size 64"), "drop the block size"),
+])
+def test_usage_errors_exit_2_with_one_line(args: tuple[str, ...], needle: str) -> None:
+    r = invoke("nano", "--vllm-version", "0.32", *args)
+    assert r.exit_code == 2, r.output
+    assert needle in r.output and "Traceback" not in r.output
+    assert r.stdout == ""
+
+
+def test_unknown_version_in_b_is_a_usage_error() -> None:
+    r = invoke("nano", "--b", "--vllm-version banana")
+    assert r.exit_code == 2 and "B (--vllm-version banana): --vllm-version: cannot parse" in r.output
+
+
+GOLDEN_CASES = {
+    "upgrade-0.24-0.32": (*UPGRADE, "--vary", "vllm-version", "0.24", "0.32"),
+    "tp2-tp4-nano-fp8": ("nano-fp8", "--ptp", "2", "--vllm-version", "0.32", "--isl", "1k", "--calibration", CAL,
+                         "--vary", "dtp", "2", "4"),
+    "bf16-fp8-kv": ("nano", "--ptp", "2", "--dtp", "2", "--vllm-version", "0.32", "--kv-cache-memory", "40GB",
+                    "--isl", "1k", "--calibration", CAL, "--vary", "kv-cache-dtype", "auto", "fp8"),
+    "recommended-block": ("nano-fp8", "--ptp", "2", "--dtp", "4", "--vllm-version", "0.32", "--gpu-memory", "141GB",
+                          "--isl", "1k", "--calibration", CAL, "--b-recommended"),
+}
+if _has("0.33"):
+    GOLDEN_CASES["upgrade-0.24-0.33"] = (*UPGRADE, "--a", "--vllm-version 0.24", "--b", "--vllm-version 0.33")
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+@pytest.mark.parametrize("fmt", ["plain", "json"])
+def test_golden(name: str, fmt: str) -> None:
+    args = GOLDEN_CASES[name]
+    r = invoke(*args, "--fmt", fmt)
+    assert r.exit_code == 0, r.output
+    path = GOLDEN / f"{name}.{'json' if fmt == 'json' else 'txt'}"
+    cmd = "hybridpd diff " + " ".join(a if " " not in a else repr(a) for a in args).replace(CAL, "CAL")
+    text = f"$ {cmd}\n{r.stdout}"
+    if os.environ.get("HYBRIDPD_REGEN_GOLDEN") == "1":
+        path.write_text(text.replace(CAL, "CAL"))
+    assert path.exists(), f"{path} missing: run HYBRIDPD_REGEN_GOLDEN=1 pytest tests/test_diff.py"
+    assert text.replace(CAL, "CAL") == path.read_text(), (
+        f"{path.name} is stale: check the change, then HYBRIDPD_REGEN_GOLDEN=1 pytest tests/test_diff.py")
