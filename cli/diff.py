@@ -8,7 +8,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from ._options import ModelArg, engine_options, isl_list, settings_from
+from ._options import ModelArg, engine_options, isl_list, settings_from, target_from
 from ._output import Report, Table, emit_json, emit_report, output_options, resolve_format
 
 _SIDE_ONLY = ("calibration_path", "link")
@@ -109,11 +109,10 @@ def diff(model: str, a_opts: str, b_opts: str, vary: tuple[tuple[str, str, str],
       hybridpd diff nano-fp8 --ptp 2 --vary dtp 2 4
       hybridpd diff nano-fp8 --ptp 2 --dtp 4 --gpu-memory 141GB --b-recommended
     """
-    from hybridpd.diff import Variant, diff_to_dict, diff_variants, release_string
+    from hybridpd.diff import Variant, diff_to_dict, diff_variants
     from hybridpd.errors import UsageError
     from hybridpd.estimate import load_calibration, select
     from hybridpd.families import model_spec
-    from hybridpd.host import installed_vllm_version
     from hybridpd.models import resolve
     from hybridpd.plan import build_plan
 
@@ -136,12 +135,11 @@ def diff(model: str, a_opts: str, b_opts: str, vary: tuple[tuple[str, str, str],
         try:
             entry = select(load_calibration(kw["calibration_path"]), kw["link"], platform=kw["platform"])
             p, d = settings_from(kw)
-            version = kw["vllm_version"] or installed_vllm_version()
-            plan = build_plan(spec, prefill=p, decode=d, vllm_version=version, platform=kw["platform"], isls=isls)
+            plan = build_plan(spec, prefill=p, decode=d, vllm_version=target_from(kw), platform=kw["platform"],
+                              isls=isls)
         except UsageError as e:
             raise click.UsageError(f"{which} ({label}): {e}") from None
-        return Variant(label=label, plan=plan, vllm_version=release_string(version, plan.profile),
-                       version_arg=version, calibration=entry)
+        return Variant(label=label, plan=plan, calibration=entry)
 
     va = variant(kw_a, _label(vary, 1, a_opts), "A")
     label_b = _label(vary, 2, b_opts)

@@ -20,8 +20,8 @@ from typing import Any
 from .estimate import Calibration, estimate_request
 from .findings import ERROR, Finding
 from .layout import SideLayout
-from .plan import Plan, build_plan
-from .profiles import VllmProfile, format_version, parse_version
+from .plan import Plan, build_plan, compat_hash_inputs
+from .profiles import VllmProfile
 from .transfer import DescriptorLayout, Span
 
 SCHEMA_VERSION = 1
@@ -52,9 +52,12 @@ class Variant:
 
     label: str  # how the user wrote it, e.g. "--vllm-version 0.24"
     plan: Plan
-    vllm_version: str  # the release string vLLM hashes, e.g. "0.24.0"
-    version_arg: str | None = None  # what was passed to build_plan (None: installed vLLM, else newest profile)
     calibration: Calibration | None = None
+
+    @property
+    def vllm_version(self) -> str:
+        """The release string vLLM hashes, e.g. "0.24.0"."""
+        return self.plan.target.text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,45 +269,10 @@ def facts(v: Variant) -> dict[Key, Value]:
 # Pairing: the NIXL compatibility hash (compute_nixl_compatibility_hash in each release's nixl/metadata.py).
 
 
-VLLM_HASH_KEYS = ("vllm_version", "nixl_connector_version", "model", "dtype", "num_kv_heads", "head_size",
-                  "num_hidden_layers", "attn_backend_name", "cache_dtype", "cross_layers_blocks", "is_hma_enabled",
-                  "speculative_config", "transfer_mode")
-
-
-def hash_factor_names(profile: VllmProfile) -> tuple[str, ...]:
-    """The factor keys of the release's ``compute_nixl_compatibility_hash`` (nixl/metadata.py), read from the
-    0.20.2-0.33.0 wheels: 0.20-0.27 hash vllm_version ... cache_dtype, cross_layers_blocks, is_hma_enabled;
-    0.28 adds speculative_config and transfer_mode (connector v7); 0.29+ drop cross_layers_blocks."""
-    own = tuple(profile.compat_hash_fields)
-    if own and set(own) <= set(VLLM_HASH_KEYS):
-        return own  # the profile carries vLLM's own key names
-    spec = "speculative_config" in own or profile.nixl_connector_version >= 7
-    names = [n for n in VLLM_HASH_KEYS if n not in ("speculative_config", "transfer_mode")]
-    if profile.nixl_connector_version > 7:
-        names.remove("cross_layers_blocks")
-    if spec:
-        names += ["speculative_config", "transfer_mode"]
-    return tuple(names)
-
-
-def hash_factors(v: Variant) -> dict[str, Value]:
-    """The values one variant's engines hash (P and D of one plan share them)."""
-    p = v.plan
-    m = p.model
-    s = p.decode.settings
-    kv = s.kv_cache_dtype if s.kv_cache_dtype != "auto" else (m.kv_cache_quant or "auto")
-    attn = m.attention if m.attention_layers else None
-    values: dict[str, Value] = {
-        "vllm_version": v.vllm_version, "nixl_connector_version": p.profile.nixl_connector_version,
-        "model": m.model_id, "dtype": s.dtype or m.model_dtype,
-        "num_kv_heads": attn.num_kv_heads if attn else 0, "head_size": attn.head_size if attn else 0,
-        "num_hidden_layers": m.num_hidden_layers, "attn_backend_name": p.decode.backend, "cache_dtype": kv,
-        "cross_layers_blocks": False, "is_hma_enabled": not s.disable_hybrid_kv_cache_manager,
-        "speculative_config": s.num_speculative_tokens or None, "transfer_mode": "pull",
-    }
-    names = hash_factor_names(p.profile)
-    return {n: values.get(n, "(not modelled)") for n in names}
-
+def hash_inputs(v: Variant, role: str) -> dict[str, Value]:
+    """What one engine feeds NIXL's compatibility hash (``hybridpd.plan.compat_hash_inputs``, the one place)."""
+    m = v.plan.model
+    return compat_hash_inputs(getattr(v.plan, role), v.plan.target, m.source or m.model_id)
 
 
 def _mixed(a: Variant, b: Variant, isls: tuple[int, ...]) -> tuple[MixedPair, ...]:
@@ -314,17 +282,22 @@ def _mixed(a: Variant, b: Variant, isls: tuple[int, ...]) -> tuple[MixedPair, ..
         if pv.plan.prefill.settings == dv.plan.prefill.settings or pv.plan.decode.settings == dv.plan.decode.settings:
             continue
         mix = build_plan(pv.plan.model, prefill=pv.plan.prefill.settings, decode=dv.plan.decode.settings,
-                         vllm_version=pv.version_arg, platform=pv.plan.platform.name, isls=isls[:1] or None)
+                         vllm_version=pv.plan.target, platform=pv.plan.platform.name, isls=isls[:1] or None)
         out.append(MixedPair(prefill=pn, decode=dn, errors=tuple(f for f in mix.findings if f.severity == ERROR)))
     return tuple(out)
 
 
 def pairing(a: Variant, b: Variant) -> Pairing:
-    fa, fb = hash_factors(a), hash_factors(b)
+    fa, fb = hash_inputs(a, "decode"), hash_inputs(b, "decode")
     names = list(fa) + [n for n in fb if n not in fa]
     factors = tuple((n, fa.get(n, NOT_HASHED), fb.get(n, NOT_HASHED)) for n in names)
+    # the pairs a rolling change creates: P of A with D of B, and P of B with D of A
+    cross = [(x, y) for x, y in ((hash_inputs(a, "prefill"), fb), (hash_inputs(b, "prefill"), fa)) if x != y]
     valued = [f"{n} {x} vs {y}" for n, x, y in factors if x != y and NOT_HASHED not in (x, y)]
     only = [n for n, x, y in factors if x != y and NOT_HASHED in (x, y)]
+    if cross and not (valued or only):
+        valued = [f"{n} {x.get(n, NOT_HASHED)} vs {y.get(n, NOT_HASHED)}" for x, y in cross for n in {*x, *y}
+                  if x.get(n) != y.get(n)]
     if valued or only:
         why = "; ".join(valued + ([f"hashed by one release only: {', '.join(only)}"] if only else []))
         advice = (f"P and D of A and B never pair: the NIXL compatibility hash differs ({why}), so the handshake "
@@ -371,11 +344,6 @@ def diff_variants(a: Variant, b: Variant) -> PlanDiff:
                     findings_added=tuple(f for f in b.plan.findings if _finding_key(f) not in ka),
                     findings_removed=tuple(f for f in a.plan.findings if _finding_key(f) not in kb),
                     pairing=pairing(a, b))
-
-
-def release_string(version: str | None, profile: VllmProfile) -> str:
-    """The release string vLLM hashes: the version given (X.Y -> X.Y.0), else the profile's checked release."""
-    return format_version(parse_version(version)) if version else format_version(profile.checked)
 
 
 def _tokens(s: SideLayout) -> int | None:

@@ -95,7 +95,7 @@ def test_upgrade_024_to_032_descriptors_time_and_hash() -> None:
     assert pr["hash_matches"] is False
     f = {x["name"]: (x["a"], x["b"]) for x in pr["factors"]}
     assert f["vllm_version"] == ("0.24.0", "0.32.0")
-    assert f["nixl_connector_version"] == (4, 14)
+    assert c[("settings", None, "nixl_connector_version")] == (4, 14)
     assert f["model"][0] == f["model"][1] and "model" not in pr["differing"]
     assert "InferencePool" in pr["advice"] and pr["mixed_pairs"] == []
     assert d["identical"] is False and d["b_introduces_error"] is False
@@ -122,7 +122,8 @@ def test_upgrade_024_to_033_with_a_b_options() -> None:
         assert c[("nixl", role, "registered_rows")] == (2 * T * 29 * 131 + 4 * T * 29, T + 4 * T)
         assert "strided" in c[("nixl", role, "row_format")][1]
     f = {x["name"]: (x["a"], x["b"]) for x in d["pairing"]["factors"]}
-    assert f["vllm_version"] == ("0.24.0", "0.33.0") and f["nixl_connector_version"] == (4, 15)
+    assert f["vllm_version"] == ("0.24.0", "0.33.0")
+    assert c[("settings", None, "nixl_connector_version")] == (4, 15)
     assert d["pairing"]["hash_matches"] is False
 
 
