@@ -14,6 +14,7 @@ import aiohttp
 from multidict import CIMultiDict
 
 from hybridpd.proxy import ProxyConfig, ProxyState, build_app, proxy_state
+from hybridpd.proxy.app import make_runner, make_site
 from hybridpd.proxy.fakes import FakeDecode, FakePrefill, KVLedger, RunningServer, start_server
 
 T = TypeVar("T")
@@ -105,25 +106,36 @@ async def harness(
     prefill_kw: dict[str, Any] | None = None,
     decode_kw: dict[str, Any] | None = None,
     proxy_handler_cancellation: bool = True,
+    guarded: bool = True,
     **config_kw: Any,
 ) -> AsyncIterator[Harness]:
     """Fakes + proxy. ``extra_*_urls`` come FIRST in the proxy's lists (e.g. a URL nobody listens on).
 
     Health probes run once at proxy start-up, then every 600 s (i.e. not during a test) unless
-    ``health_interval_s`` is given.
+    ``health_interval_s`` is given. ``guarded`` (default) serves the proxy as ``serve_proxy`` does, behind
+    ``make_site``'s connection guard; ``guarded=False`` uses a plain site (``proxy_handler_cancellation`` applies).
     """
     ledger = KVLedger()
     prefills = [FakePrefill(ledger, **(prefill_kw or {})) for _ in range(n_prefill)]
     decodes = [FakeDecode(ledger, **(decode_kw or {})) for _ in range(n_decode)]
     servers = [await start_server(f.make_app()) for f in (*prefills, *decodes)]
     config_kw.setdefault("health_interval_s", 600.0)
+    config_kw.setdefault("port", 0)
     config = ProxyConfig(
         prefill_urls=(*extra_prefill_urls, *(s.url for s in servers[:n_prefill])),
         decode_urls=(*extra_decode_urls, *(s.url for s in servers[n_prefill:])),
         **config_kw,
     )
     app = build_app(config)
-    proxy = await start_server(app, handler_cancellation=proxy_handler_cancellation)
+    if guarded:  # as ``serve_proxy`` serves it: the client-connection guard in front
+        runner = make_runner(app)
+        await runner.setup()
+        site = make_site(runner)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        proxy = RunningServer(runner, f"http://{host}:{port}")
+    else:
+        proxy = await start_server(app, handler_cancellation=proxy_handler_cancellation)
     servers.append(proxy)
     client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     try:

@@ -497,7 +497,8 @@ def test_client_disconnect_without_handler_cancellation_aborts_at_next_chunk() -
 
     async def go() -> None:
         # a long, slow answer: D is still writing when the proxy drops it (it cannot finish first)
-        async with harness(decode_kw={"mode": "hold", "token_delay_s": 0.01}, proxy_handler_cancellation=False) as h:
+        async with harness(decode_kw={"mode": "hold", "token_delay_s": 0.01}, proxy_handler_cancellation=False,
+                           guarded=False) as h:
             body = {**COMPLETION, "stream": True, "max_tokens": 1000}
             resp = await h.client.post(h.url + "/v1/completions", json=body)
             await resp.content.readuntil(b"\n\n")

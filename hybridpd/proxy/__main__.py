@@ -1,7 +1,8 @@
 """``python -m hybridpd.proxy --prefill URL [--prefill URL...] --decode URL [...]``.
 
 API keys come from the environment (not argv, which other users can read): ``HYBRIDPD_PROXY_API_KEY`` (required
-from clients) and ``HYBRIDPD_PROXY_BACKEND_API_KEY`` (sent to the vLLM backends).
+from clients), ``HYBRIDPD_PROXY_BACKEND_API_KEY`` (sent to the vLLM backends) and
+``HYBRIDPD_PROXY_METRICS_API_KEY`` (required on /metrics; default: the client key).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hybridpd.proxy",
         description="P/D routing proxy for vLLM + NixlConnector (OpenAI /v1/completions and /v1/chat/completions).",
-        epilog="API keys: HYBRIDPD_PROXY_API_KEY (required from clients), HYBRIDPD_PROXY_BACKEND_API_KEY (sent to vLLM).",
+        epilog="API keys: HYBRIDPD_PROXY_API_KEY (required from clients), HYBRIDPD_PROXY_BACKEND_API_KEY (sent to "
+               "vLLM), HYBRIDPD_PROXY_METRICS_API_KEY (required on /metrics; default: the client key).",
     )
     p.add_argument("--prefill", action="append", required=True, metavar="URL", help="prefill vLLM server root")
     p.add_argument("--decode", action="append", required=True, metavar="URL", help="decode vLLM server root")
@@ -37,8 +39,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="streams: longest gap between chunks (default %(default)s)")
     p.add_argument("--decode-timeout", type=float, default=defaults.decode_timeout_s, metavar="S",
                    help="whole decode leg (default %(default)s)")
+    p.add_argument("--connect-timeout", type=float, default=defaults.connect_timeout_s, metavar="S",
+                   help="TCP connect to a backend; failure ejects it (default %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=defaults.header_timeout_s, metavar="S",
+                   help="client: complete request headers within S of the first byte (default %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=defaults.body_timeout_s, metavar="S",
+                   help="client: whole request body within S; exceeded -> 408 (default %(default)s)")
+    p.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout_s, metavar="S",
+                   help="client: close a connection idle this long (default %(default)s)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="client connections; beyond, the longest-idle is closed, else 503 "
+                        "(default: half the open-file limit)")
+    p.add_argument("--max-sse-event-bytes", type=int, default=defaults.max_sse_event_bytes, metavar="N",
+                   help="largest SSE event accepted from decode (default %(default)s)")
+    p.add_argument("--expose-backend-errors", action="store_true",
+                   help="quote backend URLs and error text in client errors (default: log only)")
     p.add_argument("--health-interval", type=float, default=defaults.health_interval_s, metavar="S",
                    help="GET /health period per backend (default %(default)s)")
+    p.add_argument("--health-timeout", type=float, default=defaults.health_timeout_s, metavar="S",
+                   help="one backend health probe (default %(default)s)")
     p.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes, metavar="N",
                    help="larger bodies -> 413 (default %(default)s)")
     p.add_argument("--access-log", action="store_true", help="log every request (logger hybridpd.proxy.access)")
@@ -58,10 +77,19 @@ def config_from_args(a: argparse.Namespace) -> ProxyConfig:
         decode_first_byte_timeout_s=a.decode_first_byte_timeout,
         decode_idle_timeout_s=a.decode_idle_timeout,
         decode_timeout_s=a.decode_timeout,
+        connect_timeout_s=a.connect_timeout,
+        header_timeout_s=a.header_timeout,
+        body_timeout_s=a.body_timeout,
+        idle_timeout_s=a.idle_timeout,
+        max_connections=a.max_connections,
+        max_sse_event_bytes=a.max_sse_event_bytes,
+        expose_backend_errors=a.expose_backend_errors,
         health_interval_s=a.health_interval,
+        health_timeout_s=a.health_timeout,
         max_request_bytes=a.max_request_bytes,
         api_key=os.environ.get("HYBRIDPD_PROXY_API_KEY") or None,
         backend_api_key=os.environ.get("HYBRIDPD_PROXY_BACKEND_API_KEY") or None,
+        metrics_api_key=os.environ.get("HYBRIDPD_PROXY_METRICS_API_KEY") or None,
         access_log=a.access_log,
     )
 

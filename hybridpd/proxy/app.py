@@ -109,7 +109,7 @@ def _json_response(status: int, payload: Any, headers: dict[str, str] | None = N
 
 def _error_response(exc: ProxyError) -> web.Response:
     response = _json_response(exc.status, exc.to_dict(), headers=exc.headers or None)
-    if exc.status == 408:
+    if exc.status == 408 or exc.headers.get("Connection") == "close":
         response.force_close()  # the rest of the body may still be on its way: do not parse it as a request
     return response
 
@@ -227,19 +227,23 @@ class ProxyState:
                 log.exception("health probe round failed")
 
     async def probe_all(self) -> None:
-        """One round of ``GET /health`` on every backend (and of P's KV-lease counters), concurrently.
-        Concurrent callers share one round."""
-        task = self._probe_round
-        if task is None or task.done():
-            task = self._probe_round = asyncio.ensure_future(self._probe_all())
-        await asyncio.shield(task)
-
-    async def _probe_all(self) -> None:
-        started = asyncio.get_running_loop().time()
-        jobs = [self._probe(pool, b) for pool in (self.prefill, self.decode) for b in pool.backends]
+        """One round of ``GET /health`` on every backend and, with ``watch_kv_leases``, of P's KV-lease
+        counters (the periodic round)."""
+        jobs = [self.probe_health()]
         if self.config.watch_kv_leases:
             jobs += [self._scrape_leases(b) for b in self.prefill.backends]
         await asyncio.gather(*jobs)
+
+    async def probe_health(self) -> None:
+        """One round of ``GET /health`` on every backend, concurrently; concurrent callers share one round."""
+        task = self._probe_round
+        if task is None or task.done():
+            task = self._probe_round = asyncio.ensure_future(self._probe_health_round())
+        await asyncio.shield(task)
+
+    async def _probe_health_round(self) -> None:
+        started = asyncio.get_running_loop().time()
+        await asyncio.gather(*(self._probe(pool, b) for pool in (self.prefill, self.decode) for b in pool.backends))
         self._last_probe = started
 
     async def _scrape_leases(self, backend: Backend) -> None:
@@ -362,9 +366,15 @@ class ProxyState:
                 type=INVALID_REQUEST,
                 code="body_timeout",
             ) from None
-        except aiohttp.ClientPayloadError as exc:  # e.g. Content-Encoding: gzip on a body that is not gzip
-            raise bad_request(f"request body could not be read: {exc.__class__.__name__}: {exc}".rstrip(": "),
-                              code="invalid_body_encoding") from None
+        except (web.RequestPayloadError, aiohttp.ClientPayloadError) as exc:
+            # e.g. Content-Encoding: gzip on a body that is not gzip. aiohttp's parser is dead for this
+            # connection: mark the body consumed (else aiohttp re-reads it after our answer and logs the same
+            # error with a traceback) and close the connection after the answer.
+            request.content.feed_eof()
+            error = bad_request(f"request body could not be decoded ({str(exc).strip() or type(exc).__name__})",
+                                code="invalid_body_encoding")
+            error.headers["Connection"] = "close"
+            raise error from None
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -737,7 +747,7 @@ class ProxyState:
         If the last probe round is older than ``health_max_age_s``, this request runs one first (shared with
         concurrent callers), so a backend that died is reported within one /health call, not one interval."""
         if asyncio.get_running_loop().time() - self._last_probe > self.config.health_max_age_s:
-            await self.probe_all()
+            await self.probe_health()
         p, d = self.prefill.healthy_count, self.decode.healthy_count
         ok = p > 0 and d > 0
         payload = {
@@ -832,6 +842,7 @@ def make_runner(app: web.Application) -> web.AppRunner:
         access_log=logging.getLogger("hybridpd.proxy.access") if config.access_log else None,
         shutdown_timeout=config.shutdown_grace_s,
         keepalive_timeout=config.idle_timeout_s + 1.0,
+        lingering_time=2.0,  # after an early answer (408, 413), read and drop the rest of a body this long
     )
 
 

@@ -106,7 +106,7 @@ class ProxyConfig:
     metrics_api_key: str | None = field(default=None, repr=False)
     #: ``GET /health`` re-probes the backends itself when the last probe round is older than this, so a
     #: dead backend shows within one request instead of one ``health_interval_s``.
-    health_max_age_s: float = 0.5
+    health_max_age_s: float = 0.25
     #: Scrape every P's ``/metrics`` each health round for vLLM's KV-lease counters
     #: (``vllm:nixl_num_kv_expired_reqs``, ``vllm:nixl_num_notifications_after_expiry``).
     watch_kv_leases: bool = True

@@ -29,7 +29,9 @@ from multidict import CIMultiDict
 from hybridpd.proxy.protocol import PREFILL_KV_TRANSFER_PARAMS, RESTORED_FIELDS
 
 PrefillMode = Literal["ok", "error_500", "error_404", "slow", "bad_kv", "null_kv", "not_json"]
-DecodeMode = Literal["ok", "error_500", "drop_mid_stream", "no_done", "slow_first_byte", "hold"]
+DecodeMode = Literal[
+    "ok", "error_500", "drop_mid_stream", "no_done", "slow_first_byte", "hold", "not_json", "bad_event", "huge_event"
+]
 
 
 def unused_port() -> int:
@@ -103,6 +105,9 @@ class _Base:
     cancellations: int = 0
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     record: bool = True
+    #: Values of vLLM's KV-lease counters on ``/metrics`` (meaningful on P; see ``_metrics``).
+    kv_expired: int = 0
+    reads_after_expiry: int = 0
 
     role: str = "fake"
 
@@ -112,7 +117,31 @@ class _Base:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_get("/metrics", self._metrics)
         return app
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize answer shape; the fake tokenizer maps characters to code points."""
+        body = await request.json()
+        tokens = [ord(c) for c in str(body.get("prompt", ""))]
+        return web.json_response({"count": len(tokens), "max_model_len": 2048, "tokens": tokens,
+                                  "token_strs": None, "served_by": self.role})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({"prompt": "".join(chr(t) for t in body.get("tokens", [])), "served_by": self.role})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """The two KV-lease counters of vLLM 0.32's NixlConnector (``nixl/stats.py``), as prometheus_client
+        renders them (``_total`` suffix, one series per engine)."""
+        lines = []
+        for name, value in (("vllm:nixl_num_kv_expired_reqs", self.kv_expired),
+                            ("vllm:nixl_num_notifications_after_expiry", self.reads_after_expiry)):
+            lines += [f"# HELP {name}_total fake", f"# TYPE {name}_total counter",
+                      f'{name}_total{{engine="0",model_name="{self.model}"}} {float(value)}']
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.health_status)
@@ -242,7 +271,11 @@ def _completion(rid: str, model: str, chat: bool, text: str, prompt_tokens: int,
 class FakeDecode(_Base):
     """Fake D. ``mode``: ok | error_500 | drop_mid_stream (after ``drop_after`` chunks, waits for ``release``, then
     writes half an event and kills the connection) | no_done (ends cleanly without ``[DONE]``) | slow_first_byte (headers, then
-    ``first_byte_delay_s`` of silence) | hold (one chunk, then waits for ``release``).
+    ``first_byte_delay_s`` of silence) | hold (one chunk, then waits for ``release``) | not_json (200 with an HTML
+    body, streamed or not) | bad_event (one good event, then ``data: <garbage>``) | huge_event (one good event, then
+    ``huge_event_bytes`` of one event without a separator, then a clean end).
+
+    Like vLLM, D refuses (400) ``max_tokens`` < 1 and ``min_tokens`` > ``max_tokens``.
 
     ``strict``: a request without ``kv_transfer_params`` is a violation (False: served as a local request, which
     the benchmark's direct baseline needs).
@@ -253,6 +286,7 @@ class FakeDecode(_Base):
     token_delay_s: float = 0.0
     first_byte_delay_s: float = 0.0
     drop_after: int = 2
+    huge_event_bytes: int = 1 << 20
     release: asyncio.Event = field(default_factory=asyncio.Event)
     #: Set when a "hold" stream has sent its first chunk.
     holding: asyncio.Event = field(default_factory=asyncio.Event)
@@ -271,7 +305,15 @@ class FakeDecode(_Base):
                 {"error": {"message": "KV load failed", "type": "InternalServerError", "code": 500}}, status=500
             )
         key = prompt_key(body)
-        n = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        n = body.get("max_completion_tokens") or body.get("max_tokens")
+        n = 16 if n is None else n
+        n = int(n) if isinstance(n, float) and n.is_integer() else n  # pydantic's lax int, as vLLM parses it
+        if not isinstance(n, int) or n < 1 or (body.get("min_tokens") or 0) > n:
+            return web.json_response(
+                {"error": {"message": f"max_tokens must be at least 1 and >= min_tokens, got {n}",
+                           "type": "BadRequestError", "code": 400}}, status=400)
+        if self.mode == "not_json":
+            return web.Response(text="<html>upstream proxy error</html>", content_type="application/json")
         chat = "messages" in body
         fake = {
             "request_id": rid,
@@ -316,6 +358,13 @@ class FakeDecode(_Base):
                 request.transport.abort()
                 await asyncio.sleep(3600)  # cancelled by the server once the connection is gone
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if i == 0 and self.mode == "bad_event":
+                await resp.write(b"data: <html>oops</html>\n\n")
+            if i == 0 and self.mode == "huge_event":
+                piece_bytes = b"x" * 65536
+                for _ in range(self.huge_event_bytes // len(piece_bytes)):
+                    await resp.write(piece_bytes)
+                await resp.write(b"\n\n")
             if i == 0 and self.mode == "hold":
                 self.holding.set()
                 await self.release.wait()
