@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from ._options import ModelArg, engine_options, settings_from
+from ._options import ModelArg, engine_options, settings_from, target_from
 from ._output import Report, Table, emit_json, emit_report, hint, output_options, resolve_format
 
 
@@ -61,7 +61,7 @@ def verify(model: str, rehearse: bool, isl: int | None, seed: int, inject: str |
     from hybridpd.plan import build_plan
 
     p, d = settings_from(kw)
-    plan = build_plan(model, prefill=p, decode=d, vllm_version=kw["vllm_version"], platform=kw["platform"],
+    plan = build_plan(model, prefill=p, decode=d, vllm_version=target_from(kw), platform=kw["platform"],
                       allow_network=kw["allow_network"])
     out = resolve_format(as_json, fmt)
     if rehearse:

@@ -64,7 +64,7 @@ def local_table(side: SideLayout, bases: list[int], n_log: int) -> DescTable:
     spans: list[tuple[int, int]] = []
     if side.mamba is not None and side.mamba_groups:
         spans = [*side.mamba.conv.local_offsets(), (side.mamba.conv_bytes, side.mamba.ssm_bytes)]
-    m_a, m_l = _mamba_part(b, n_log, side.page_size_bytes, spans)
+    m_a, m_l = _mamba_part(b[:side.num_ssm_slots], n_log, side.page_size_bytes, spans)
     return DescTable(addr=np.concatenate([fa_a, m_a]), length=np.concatenate([fa_l, m_l]),
                      num_fa_descs=int(fa_a.shape[0]), n_phys=n_phys, n_log=n_log)
 
@@ -83,7 +83,7 @@ def remote_table(p: SideLayout, src: SourceRead, bases: list[int], n_log: int) -
     else:
         fa_a, fa_l = np.zeros(0, np.uint64), np.zeros(0, np.uint64)
     spans = [s for s in (src.x, src.b, src.c, src.ssm) if s is not None]
-    m_a, m_l = _mamba_part(b, n_log, p.page_size_bytes, spans)
+    m_a, m_l = _mamba_part(b[:p.num_ssm_slots], n_log, p.page_size_bytes, spans)
     return DescTable(addr=np.concatenate([fa_a, m_a]), length=np.concatenate([fa_l, m_l]),
                      num_fa_descs=int(fa_a.shape[0]), n_phys=n_phys, n_log=n_log)
 
@@ -106,7 +106,7 @@ def request_desc_ids(side: SideLayout, table: DescTable, block_ids: list[list[in
         else:
             if not mamba or blk.size == 0:
                 continue
-            regions = np.arange(4 * T, dtype=np.int64)[:, None]
+            regions = np.arange(4 * side.num_ssm_slots, dtype=np.int64)[:, None]
             out.append((table.num_fa_descs + regions * table.n_log + blk[None, :]).reshape(-1))
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
@@ -124,7 +124,7 @@ def loop_local_table(side: SideLayout, bases: list[int], n_log: int) -> list[tup
                     out.append((base + blk * kp + half * (kp // kvd), kp // kvd))
     if side.mamba is not None and side.mamba_groups:
         spans = [*side.mamba.conv.local_offsets(), (side.mamba.conv_bytes, side.mamba.ssm_bytes)]
-        for base in bases:
+        for base in bases[:side.num_ssm_slots]:
             for off, ln in spans:
                 for blk in range(n_log):
                     out.append((base + blk * side.page_size_bytes + off, ln))

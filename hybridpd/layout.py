@@ -16,7 +16,7 @@ from . import dtypes
 from .errors import UsageError
 from .families import ATTENTION, MAMBA, ModelSpec
 from .mamba import MambaRankState
-from .profiles import KernelSizes, PlatformProfile, VllmProfile, host_has_avx512_bf16
+from .profiles import KernelSizes, PlatformProfile, VllmProfile
 from .settings import EngineSettings
 
 
@@ -66,6 +66,9 @@ class SideLayout:
     padding_bytes: int  # page - mamba page, per Mamba page
     groups: tuple[Group, ...]
     num_shared_tensors: int  # T: layer slots = NIXL regions
+    num_ssm_slots: int  # T_ssm: slots that get Mamba descriptors (T before 0.29; slots holding SSM state from 0.29)
+    conv_layout: str  # the engine's effective VLLM_SSM_CONV_STATE_LAYOUT
+    conv_layout_reason: str
     prefix_caching: bool
     mamba_cache_mode: str  # "none" | "align" | "all"
     num_blocks: int | None  # logical blocks that fit (None: no memory given)
@@ -120,14 +123,26 @@ def resolve_dtypes(model: ModelSpec, s: EngineSettings, profile: VllmProfile, pl
     else:
         ssm = conv
     if model.has_mamba and platform.forces_fp32_ssm and ssm != "float32":
-        avx = s.cpu_avx512_bf16 if s.cpu_avx512_bf16 is not None else host_has_avx512_bf16()
-        if avx:
+        if s.cpu_avx512_bf16:
             reasons.append(f"SSM state {ssm} -> float32 (vLLM CPU backend resets it on avx512_bf16 hosts)")
             ssm = "float32"
         else:
-            reasons.append(f"SSM state stays {ssm}: the CPU host has no avx512_bf16 (--cpu-avx512-bf16 to plan "
-                           "for one that has)")
+            why = "has no avx512_bf16" if s.cpu_avx512_bf16 is False else "is not known to have avx512_bf16"
+            reasons.append(f"SSM state stays {ssm}: the CPU host {why} (--cpu-avx512-bf16 to plan for one that has)")
     return Dtypes(kv=kv, conv=conv, ssm=ssm, reasons=tuple(reasons))
+
+
+def effective_conv_layout(s: EngineSettings, profile: VllmProfile, platform: PlatformProfile) -> tuple[str, str]:
+    """VLLM_SSM_CONV_STATE_LAYOUT as the engine ends up with it, and why (platforms/cpu.py per release)."""
+    if not platform.sets_conv_layout:
+        return s.conv_layout, f"VLLM_SSM_CONV_STATE_LAYOUT={s.conv_layout}"
+    if profile.cpu_ds_with_nixl:
+        return s.conv_layout, f"VLLM_SSM_CONV_STATE_LAYOUT={s.conv_layout} (vLLM {profile.name} CPU keeps it; DS when unset)"
+    flag = {"amx": s.cpu_amx_tile, "avx512_bf16": s.cpu_avx512_bf16}.get(profile.cpu_sd_conv_when, False)
+    if flag and profile.cpu_sd_overrides_env:
+        return "SD", (f"vLLM {profile.name}'s CPU platform sets VLLM_SSM_CONV_STATE_LAYOUT=SD on {profile.cpu_sd_conv_when} "
+                      f"hosts, overriding the environment")
+    return s.conv_layout, f"VLLM_SSM_CONV_STATE_LAYOUT={s.conv_layout}"
 
 
 def hma_groups(model: ModelSpec) -> tuple[tuple[Group, ...], int]:
@@ -200,9 +215,9 @@ def side_layout(model: ModelSpec, s: EngineSettings, profile: VllmProfile, platf
         hybrid_fp32 = model.has_mamba and "float32" in (dt.ssm, dt.conv)
         ks = platform.kernel_sizes(backend, profile, hybrid_fp32_mamba=hybrid_fp32)
         if s.block_size is None:
-            if platform.name == "cpu":
+            if platform.block_from_platform:
                 block = platform.default_block_size
-                reasons.append(f"no --block-size: the CPU platform uses {block}")
+                reasons.append(f"no --block-size: the {platform.name} platform uses {block}")
             else:
                 block = 16 if ks.supports(16) else ks.min_base
                 reasons.append(f"no --block-size: {backend} prefers {block}")
@@ -243,6 +258,10 @@ def side_layout(model: ModelSpec, s: EngineSettings, profile: VllmProfile, platf
     padding = page - mamba_page if (mamba is not None and attn) else 0
 
     groups, group_size = hma_groups(model)
+    ssm_slots = group_size
+    if profile.mamba_descs_ssm_regions_only:
+        ssm_slots = max((len(g.layers) for g in groups if g.kind == MAMBA), default=0)
+    conv_layout, conv_reason = effective_conv_layout(s, profile, platform)
     if s.disable_hybrid_kv_cache_manager and model.is_hybrid:
         errors.append("hybrid KV cache manager disabled: vLLM cannot unify Mamba and attention specs and fails "
                       "('Failed to promote local KV cache specs to one unified type')")
@@ -254,7 +273,8 @@ def side_layout(model: ModelSpec, s: EngineSettings, profile: VllmProfile, platf
         kv_heads_replicated=bool(attn and s.tp > attn.num_kv_heads), attn_bytes_per_token=a1,
         kernel_sizes=ks, block_size=block, block_reasons=tuple(reasons), kernel_block_size=kernel,
         physical_per_logical=ratio, page_size_bytes=page, mamba_page_bytes=mamba_page, padding_bytes=padding,
-        groups=groups, num_shared_tensors=group_size, prefix_caching=bool(prefix),
+        groups=groups, num_shared_tensors=group_size, num_ssm_slots=ssm_slots, conv_layout=conv_layout,
+        conv_layout_reason=conv_reason, prefix_caching=bool(prefix),
         mamba_cache_mode=mode, num_blocks=num_blocks,
         num_blocks_reason=nb_reason, errors=tuple(errors))
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .errors import UsageError
 from .estimate import Calibration, estimate_request
 from .families import ModelSpec, model_spec
 from .findings import ERROR, Context, Finding, run_rules
 from .layout import SideLayout, side_layout
 from .models import resolve
-from .profiles import PlatformProfile, VllmProfile, platform_for, profile_for
+from .profiles import PlatformProfile, Target, VllmProfile, platform_for, resolve_target
 from .settings import EngineSettings
 from .transfer import DescriptorLayout, RankRoute, RequestTransfer, request_transfer, routes, tp_ratio
 
@@ -19,16 +20,46 @@ SCHEMA_VERSION = 1
 
 
 @dataclass(frozen=True, kw_only=True)
+class BlockDecision:
+    """The block-size decision, made once: what each side gets, whether they agree, and the fix if not.
+
+    ``plan`` prints it, ``serve`` applies ``recommended`` (--auto-block-size) and ``verify`` probes around
+    ``prefill``; nobody re-derives it."""
+
+    prefill: int
+    decode: int
+    kernel_prefill: int
+    kernel_decode: int
+    agree: bool
+    recommended: int | None  # smallest --block-size both sides keep unchanged (None: they agree, or none found)
+    prefill_reasons: tuple[str, ...]
+    decode_reasons: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"prefill": self.prefill, "decode": self.decode, "kernel_prefill": self.kernel_prefill,
+                "kernel_decode": self.kernel_decode, "agree": self.agree, "recommended": self.recommended,
+                "prefill_reasons": list(self.prefill_reasons), "decode_reasons": list(self.decode_reasons)}
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     model: ModelSpec
-    profile: VllmProfile
+    target: Target
     platform: PlatformProfile
     prefill: SideLayout
     decode: SideLayout
     routes: tuple[RankRoute, ...] | None
     transfers: tuple[RequestTransfer, ...]
     findings: tuple[Finding, ...]
-    recommended_block_size: int | None
+    block: BlockDecision
+
+    @property
+    def profile(self) -> VllmProfile:
+        return self.target.profile
+
+    @property
+    def recommended_block_size(self) -> int | None:
+        return self.block.recommended
 
     @property
     def ok(self) -> bool:
@@ -61,26 +92,60 @@ def recommended_block(model: ModelSpec, lp: SideLayout, ld: SideLayout) -> int |
     return None
 
 
+def max_model_len(spec: ModelSpec, s: EngineSettings) -> int | None:
+    return s.max_model_len or spec.max_position_embeddings
+
+
+def chosen_isls(spec: ModelSpec, s: EngineSettings, isls: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The ISLs to cost.  vLLM refuses a prompt of max_model_len tokens or more (no room for one output
+    token: "This model's maximum context length is ..."), so such an ISL is refused here too."""
+    limit = max_model_len(spec, s)
+    if isls:
+        too_long = [i for i in isls if limit is not None and i >= limit]
+        if too_long:
+            raise UsageError(f"{too_long[0]:,} tokens: vLLM refuses a prompt of max_model_len ({limit:,}) tokens or "
+                             "more", field="--isl", fix=f"use ISLs below {limit:,}, or raise --max-model-len")
+        return isls
+    if limit is None:
+        return DEFAULT_ISLS
+    return tuple(i for i in DEFAULT_ISLS if i < limit) or (limit - 1,)
+
+
 def build_plan(model: str | ModelSpec, *, prefill: EngineSettings, decode: EngineSettings,
-               vllm_version: str | None = None, platform: str = "cuda", isls: tuple[int, ...] | None = None,
+               vllm_version: str | Target | None = None, platform: str = "cuda", isls: tuple[int, ...] | None = None,
                allow_network: bool = False) -> Plan:
+    """The whole pipeline.  ``vllm_version``: a resolved Target (the CLI resolves it with the host's
+    installed vLLM), a version string, or None for the newest profile."""
     spec = model if isinstance(model, ModelSpec) else model_spec(resolve(model, allow_network=allow_network))
-    prof = profile_for(vllm_version)
+    target = vllm_version if isinstance(vllm_version, Target) else resolve_target(vllm_version)
+    prof = target.profile
     plat = platform_for(platform)
+    chosen = chosen_isls(spec, prefill, isls)
     p = side_layout(spec, prefill, prof, plat, role="prefill")
     d = side_layout(spec, decode, prof, plat, role="decode")
     a, b = sorted((p.tp, d.tp))
     rts = None
-    if b % a == 0 and not p.errors and not d.errors and p.attention_groups:
-        if not (spec.mamba_type and spec.mamba_type not in prof.pd_mamba_types):
-            rts = routes(p, d)
-    rec = recommended_block(spec, p, d) if spec.is_hybrid and not sides_agree(p, d) else None
-    findings = run_rules(Context(p=p, d=d, routes=rts, recommended_block=rec))
-    max_len = prefill.max_model_len or spec.max_position_embeddings or max(DEFAULT_ISLS)
-    chosen = isls or tuple(i for i in DEFAULT_ISLS if i <= max_len) or (max_len,)
+    movable = not spec.mamba_type or (spec.mamba_type in prof.pd_mamba_types and spec.mamba is not None)
+    if b % a == 0 and not p.errors and not d.errors and p.attention_groups and movable:
+        rts = routes(p, d)
+    agree = sides_agree(p, d)
+    rec = recommended_block(spec, p, d) if spec.is_hybrid and not agree else None
+    block = BlockDecision(prefill=p.block_size, decode=d.block_size, kernel_prefill=p.kernel_block_size,
+                          kernel_decode=d.kernel_block_size, agree=agree, recommended=rec,
+                          prefill_reasons=p.block_reasons, decode_reasons=d.block_reasons)
+    findings = run_rules(Context(p=p, d=d, routes=rts, recommended_block=rec, target=target))
     transfers = tuple(request_transfer(p, d, rts, n) for n in chosen) if rts is not None else ()
-    return Plan(model=spec, profile=prof, platform=plat, prefill=p, decode=d, routes=rts, transfers=transfers,
-                findings=findings, recommended_block_size=rec)
+    return Plan(model=spec, target=target, platform=plat, prefill=p, decode=d, routes=rts, transfers=transfers,
+                findings=findings, block=block)
+
+
+def compat_hash_inputs(side: SideLayout, target: Target, model: str) -> dict[str, Any]:
+    """The inputs of NIXL's compatibility hash this release checks (P and D must be equal in every one)."""
+    values: dict[str, Any] = {
+        "vllm_version": target.text, "model": model, "attention_backend": side.backend,
+        "cache_dtype": side.dtypes.kv, "hma": not side.settings.disable_hybrid_kv_cache_manager,
+        "speculative_config": side.settings.num_speculative_tokens or None, "transfer_mode": "pull"}
+    return {k: values[k] for k in side.profile.compat_hash_fields}
 
 
 def _side_dict(s: SideLayout) -> dict[str, Any]:
@@ -121,6 +186,8 @@ def _side_dict(s: SideLayout) -> dict[str, Any]:
         "groups": [{"index": g.index, "kind": g.kind, "layers": list(g.layers), "padding_slots": g.padding_slots}
                    for g in s.groups],
         "num_shared_tensors": s.num_shared_tensors,
+        "num_ssm_slots": s.num_ssm_slots,
+        "conv_layout": s.conv_layout if m else None,
         "num_blocks": s.num_blocks,
         "num_blocks_reason": s.num_blocks_reason,
         "descriptors": {
@@ -129,6 +196,9 @@ def _side_dict(s: SideLayout) -> dict[str, Any]:
             "mamba_desc_bytes": dict(zip(("x", "B", "C", "ssm"), desc.mamba_desc_lens, strict=True)),
             "num_phys_blocks": desc.num_phys_blocks, "num_logical_blocks": desc.num_logical_blocks,
             "num_fa_descs": desc.num_fa_descs, "local_descs": desc.local_descs,
+            "registered_rows": desc.registered_rows,
+            "row_format": "strided (addr, len, dev, stride, count)" if s.profile.strided_descriptors
+            else "flat (addr, len, dev)",
             "desc_id_formula": {
                 "fa": "r * N_phys + b   (r < fa_regions, b = kernel block id)",
                 "mamba": "num_fa_descs + m * N_log + b   (m = 4*tensor + {x:0,B:1,C:2,SSM:3}, b = logical block)",
@@ -160,12 +230,16 @@ def plan_to_dict(plan: Plan, *, estimate_with: Calibration | None = None) -> dic
                 "head_size": m.attention.head_size},
         },
         "vllm_profile": plan.profile.name,
+        "vllm": plan.target.as_dict(),
         "nixl_connector_version": plan.profile.nixl_connector_version,
         "platform": plan.platform.name,
         "tp_ratio": tp_ratio(plan.prefill.tp, plan.decode.tp),
         "prefill": _side_dict(plan.prefill),
         "decode": _side_dict(plan.decode),
+        "compat_hash_inputs": {role: compat_hash_inputs(side, plan.target, m.source or m.model_id)
+                               for role, side in (("prefill", plan.prefill), ("decode", plan.decode))},
         "recommended_block_size": plan.recommended_block_size,
+        "block_decision": plan.block.as_dict(),
         "conv_offsets": [] if plan.routes is None else [
             {"rank": r.rank, "sources": [
                 {"p_rank": s.p_rank, "fa": _span(s.fa), "fa_v_offset": s.fa_v_offset, "x": _span(s.x),

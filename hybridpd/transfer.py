@@ -172,15 +172,27 @@ class RequestTransfer:
         return sum(r.reads for r in self.per_rank)
 
 
+def prefill_backoff(p: SideLayout) -> int:
+    """Prompt tokens P leaves for D to compute (nixl scheduler ``_prefill_backoff``).
+
+    vLLM's N-1 rule (#37310): with Mamba layers P prefills N-1 tokens and D computes the last one.  From 0.31
+    it is max(1, lookahead - 1), where the lookahead is the multi-module MTP draft length (hybridpd takes
+    ``num_speculative_tokens`` as that length)."""
+    base = 1 if p.model.has_mamba else 0
+    if p.profile.backoff_uses_lookahead:
+        return max(base, p.settings.num_speculative_tokens - 1)
+    return base
+
+
 def tokens_transferred(p: SideLayout, isl: int) -> int:
-    """vLLM's N-1 rule (#37310): with Mamba layers P prefills N-1 tokens, D computes the last one."""
-    return isl - 1 if (p.model.has_mamba and isl > 1) else isl
+    return max(isl - prefill_backoff(p), 1) if isl > 1 else isl
 
 
 def request_transfer(p: SideLayout, d: SideLayout, rts: tuple[RankRoute, ...], isl: int) -> RequestTransfer:
     n = tokens_transferred(p, isl)
     blocks = cdiv(n, p.block_size) if p.attention_groups else 0
     T = p.num_shared_tensors
+    Ts = p.num_ssm_slots
     G = len(p.mamba_groups)
     kvd = p.profile.kv_descs_per_block
     ratio = p.physical_per_logical
@@ -199,10 +211,10 @@ def request_transfer(p: SideLayout, d: SideLayout, rts: tuple[RankRoute, ...], i
                 descs += n_fa
                 descs_min += (T * len(p.attention_groups) * kvd if blocks else 0) if merge else n_fa
             if s.x is not None and G:
-                mamba_bytes += T * G * s.mamba_bytes
-                descs += 4 * T * G
-                descs_min += 4 * T * G
-        naive = fa_bytes + T * G * d.page_size_bytes if d.mamba is not None else fa_bytes
+                mamba_bytes += Ts * G * s.mamba_bytes
+                descs += 4 * Ts * G
+                descs_min += 4 * Ts * G
+        naive = fa_bytes + Ts * G * d.page_size_bytes if d.mamba is not None else fa_bytes
         per.append(RankRequest(rank=rt.rank, fa_bytes=fa_bytes, mamba_bytes=mamba_bytes, naive_bytes=naive,
                                descriptors=descs, descriptors_min=descs_min, reads=len(rt.sources)))
     return RequestTransfer(isl=isl, tokens_transferred=n, logical_blocks=blocks, per_rank=tuple(per))
@@ -214,20 +226,20 @@ class DescriptorLayout:
 
     regions: int  # registered memory regions (shared tensors)
     fa_regions: int  # virtual FA regions (2T when K/V separate, T when packed)
-    mamba_regions: int  # 4T (x, B, C, SSM per tensor) when the model has Mamba
+    mamba_regions: int  # 4*T_ssm (x, B, C, SSM per slot holding SSM state) when the model has Mamba
     fa_desc_len: int  # bytes per FA descriptor (local)
     mamba_desc_lens: tuple[int, int, int, int]  # x, B, C, SSM
     num_phys_blocks: int | None  # N_phys = N_log * ratio
     num_logical_blocks: int | None
     num_fa_descs: int | None  # the FA/Mamba boundary in desc ids
     local_descs: int | None
-
+    registered_rows: int | None  # rows handed to NIXL: local_descs, or (0.33 strided) one per region run
     @staticmethod
     def of(side: SideLayout) -> DescriptorLayout:
         T = side.num_shared_tensors
         kvd = side.profile.kv_descs_per_block
         fa_regions = T * kvd if side.attention_groups else 0
-        mamba_regions = 4 * T if side.mamba is not None and side.mamba_groups else 0
+        mamba_regions = 4 * side.num_ssm_slots if side.mamba is not None and side.mamba_groups else 0
         lens: tuple[int, int, int, int] = (0, 0, 0, 0)
         if side.mamba is not None:
             c = side.mamba.conv
@@ -236,7 +248,15 @@ class DescriptorLayout:
         nphys = nlog * side.physical_per_logical if nlog is not None else None
         nfa = fa_regions * nphys if nphys is not None else None
         local = (nfa + mamba_regions * nlog) if (nfa is not None and nlog is not None) else None
+        rows = local
+        if side.profile.strided_descriptors:
+            # _block_strided_descs: an FA region is one row when its blocks are back to back (stride == ratio*len,
+            # always so with K and V packed), else one row per block; Mamba one row per (region, sub-projection).
+            fa_len = side.kernel_page_bytes // kvd if fa_regions else 0
+            fa_rows = fa_regions if (kvd == 1 or fa_len * side.physical_per_logical == side.page_size_bytes) \
+                else nfa
+            rows = None if fa_rows is None else fa_rows + mamba_regions
         return DescriptorLayout(regions=T, fa_regions=fa_regions, mamba_regions=mamba_regions,
                                 fa_desc_len=side.kernel_page_bytes // kvd if fa_regions else 0,
                                 mamba_desc_lens=lens, num_phys_blocks=nphys, num_logical_blocks=nlog,
-                                num_fa_descs=nfa, local_descs=local)
+                                num_fa_descs=nfa, local_descs=local, registered_rows=rows)
