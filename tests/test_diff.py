@@ -200,6 +200,26 @@ def test_no_false_difference_when_b_pins_the_block_it_gets_anyway() -> None:
     assert d["pairing"]["hash_matches"] is True
 
 
+def test_per_side_calibration_changes_only_the_estimate() -> None:
+    d = run_json("nano", "--ptp", "2", "--dtp", "2", "--vllm-version", "0.32", "--isl", "1k", "--calibration", CAL,
+                 "--b", "--link test-vram-fast")  # c = 5 µs, bw = 2e9 B/s
+    assert {(c["section"], c["field"]) for c in d["changes"]} == {("settings", "calibration"),
+                                                                  ("transfer", "est_request_s")}
+    rank_bytes = T * 1 * 2096 * 512 + T * G * MAMBA_TP2
+    a_s, b_s = changes(d)[("transfer", 1024, "est_request_s")]
+    assert a_s == pytest.approx(102 * C_S + rank_bytes / BW)
+    assert b_s == pytest.approx(102 * 5e-6 + rank_bytes / 2e9)
+    assert d["pairing"]["hash_matches"] is True
+
+
+def test_flag_option_through_vary() -> None:
+    d = run_json("nano", "--vllm-version", "0.32", "--isl", "1k", "--vary", "enable-prefix-caching", "on", "off")
+    c = changes(d)
+    assert c[("layout", "decode", "prefix_caching")] == (True, False)
+    assert c[("layout", "decode", "mamba_cache_mode")] == ("align", "none")
+    assert "prefix-caching-hybrid" in codes(d["findings"]["removed"])
+
+
 def test_identical_plans() -> None:
     d = run_json("nano", "--vllm-version", "0.32", "--b", "--vllm-version 0.32.0")
     assert d["identical"] is True and d["changes"] == []
