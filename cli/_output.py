@@ -31,7 +31,7 @@ PIPE_FORMAT = "simple"  # the default when stdout is not a terminal
 class Table:
     title: str
     headers: Sequence[str]
-    rows: list[Sequence[Any]]
+    rows: Sequence[Sequence[Any]]
     caption: str | None = None
     heading_columns: int = 1  # leading cells that head each block in the key/value (narrow) layout
 
@@ -219,7 +219,7 @@ def _emit_rich(report: Report, width: int | None) -> None:
         cells = [[_cell(c) for c in r] for r in t.rows]
         headers: Sequence[str] = t.headers
         widths = column_widths(headers, cells, total)
-        if widths is None and t.heading_columns == 1 and len(cells) > 1:
+        if widths is None and t.heading_columns == 1 and 1 < len(cells) <= 8:
             headers, cells = transpose(t.headers, cells)  # fields as rows, one column per row of the table
             widths = column_widths(headers, cells, total)
         console.print()

@@ -36,20 +36,28 @@ class CatalogEntry:
     n_groups: int | None
     layer_pattern: str
     pd_support: dict[str, Support] = field(default_factory=dict)
+    hetero_tp: Support | None = None  # P TP 1 -> D TP 2 on the newest profile (HETERO_TP)
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "aliases": list(self.aliases), "family": self.family,
                 "architecture": self.architecture, "mamba_layers": self.mamba_layers,
                 "attention_layers": self.attention_layers, "mamba_type": self.mamba_type,
-                "n_groups": self.n_groups, "pd_support": {k: v.as_dict() for k, v in self.pd_support.items()}}
+                "n_groups": self.n_groups, "pd_support": {k: v.as_dict() for k, v in self.pd_support.items()},
+                "hetero_tp": None if self.hetero_tp is None else {"prefill_tp": HETERO_TP[0],
+                                                                  "decode_tp": HETERO_TP[1],
+                                                                  "profile": PROFILES[-1].name,
+                                                                  **self.hetero_tp.as_dict()}}
+
+
+HETERO_TP = (1, 2)  # the heterogeneous pair `models` checks: TP 1/1 support can hide that 1 -> 2 corrupts state
 
 
 def aliases_for(hf_id: str) -> tuple[str, ...]:
     return tuple(sorted(a for a, target in ALIASES.items() if target == hf_id))
 
 
-def pd_support(spec: ModelSpec, profile: VllmProfile) -> Support:
-    """Decide P/D support with the plan engine at TP 1/1 and default settings for this profile."""
+def pd_support(spec: ModelSpec, profile: VllmProfile, tp: tuple[int, int] = (1, 1)) -> Support:
+    """Decide P/D support with the plan engine at TP ``tp`` (1/1) and default settings for this profile."""
     if spec.has_mamba and not spec.attention_layers:
         return Support(supported=False, reason="attention-free")
     if spec.mamba_type and spec.mamba_type not in profile.pd_mamba_types:
@@ -58,7 +66,7 @@ def pd_support(spec: ModelSpec, profile: VllmProfile) -> Support:
     from .settings import EngineSettings
 
     try:
-        plan = build_plan(spec, prefill=EngineSettings(tp=1), decode=EngineSettings(tp=1),
+        plan = build_plan(spec, prefill=EngineSettings(tp=tp[0]), decode=EngineSettings(tp=tp[1]),
                           vllm_version=_version_in(profile), isls=(1024,))
     except HybridPDError as e:
         return Support(supported=False, reason=type(e).__name__)
@@ -91,7 +99,8 @@ def catalog_entry(hf_id: str, profiles: tuple[VllmProfile, ...] = PROFILES) -> C
         mamba_layers=len(spec.mamba_layers), attention_layers=len(spec.attention_layers),
         mamba_type=spec.mamba_type, n_groups=spec.mamba.n_groups if spec.mamba else None,
         layer_pattern=spec.layer_pattern,
-        pd_support={p.name: pd_support(spec, p) for p in profiles})
+        pd_support={p.name: pd_support(spec, p) for p in profiles},
+        hetero_tp=pd_support(spec, PROFILES[-1], HETERO_TP))
 
 
 def catalog(profiles: tuple[VllmProfile, ...] = PROFILES) -> list[CatalogEntry]:

@@ -12,7 +12,7 @@ from hybridpd.catalog import catalog, profile_names
 from hybridpd.models import ALIASES, bundled_ids
 
 KEYS = ["id", "aliases", "family", "architecture", "mamba_layers", "attention_layers", "mamba_type", "n_groups",
-        "pd_support"]
+        "pd_support", "hetero_tp"]
 
 
 def _json() -> list[dict]:
@@ -73,13 +73,31 @@ def test_dense_model_has_no_mamba() -> None:
     assert e["mamba_layers"] == 0 and e["mamba_type"] is None and e["n_groups"] is None
 
 
-def test_human_table_shows_profiles_and_reasons() -> None:
+def test_human_table_shows_release_ranges_and_reasons() -> None:
     res = CliRunner().invoke(cli, ["models", "--fmt", "plain"])
     assert res.exit_code == 0, res.output
-    for p in profile_names():
-        assert f"vLLM {p}" in res.output
-    assert "no (unsupported-mamba-type)" in res.output
+    names = profile_names()
+    assert f"yes {names[0]}-{names[-1]}" in res.output  # e.g. Nemotron: every profile, one range
+    # Jamba: refused before 0.25 (no Mamba-1 split), moved but not modelled from 0.25
+    assert "no 0.20-0.24 (unsupported-mamba-type); no 0.25-" in res.output
     assert "nano-fp8" in res.output and "23M / 6A" in res.output
+
+
+def test_heterogeneous_tp_is_not_hidden_behind_tp_1_1() -> None:
+    """Item 11: n_groups = 1 models pass at TP 1/1 but P TP 1 -> D TP 2 corrupts their conv state
+    (B/C groups are replicated, vLLM's remote offsets assume they shard); n_groups = 8 / 2 models are fine."""
+    data = _by_id()
+    for mid in ("ibm-granite/granite-4.0-h-tiny", "tiiuae/Falcon-H1-0.5B-Instruct", "Zyphra/Zamba2-2.7B"):
+        e = data[mid]
+        assert e["n_groups"] == 1
+        assert all(s["supported"] for s in e["pd_support"].values()), mid
+        assert e["hetero_tp"]["supported"] is False and e["hetero_tp"]["reason"] == "conv-state-corruption", mid
+        assert (e["hetero_tp"]["prefill_tp"], e["hetero_tp"]["decode_tp"]) == (1, 2)
+    for mid in ("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-FP8", "tiiuae/Falcon-H1-34B-Instruct"):
+        assert data[mid]["hetero_tp"]["supported"] is True, mid
+    out = CliRunner().invoke(cli, ["models", "--fmt", "plain"]).output
+    tiny = next(ln for ln in out.splitlines() if ln.startswith("ibm-granite/granite-4.0-h-tiny"))
+    assert "no (conv-state-corruption)" in tiny
 
 
 def test_supported_only_filters() -> None:
