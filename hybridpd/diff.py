@@ -288,16 +288,13 @@ def _mixed(a: Variant, b: Variant, isls: tuple[int, ...]) -> tuple[MixedPair, ..
 
 
 def pairing(a: Variant, b: Variant) -> Pairing:
+    # P and D of one plan feed the hash the same inputs (TP and block size are not hashed), so A's decode
+    # against B's decode is also P(A) against D(B) and P(B) against D(A).
     fa, fb = hash_inputs(a, "decode"), hash_inputs(b, "decode")
     names = list(fa) + [n for n in fb if n not in fa]
     factors = tuple((n, fa.get(n, NOT_HASHED), fb.get(n, NOT_HASHED)) for n in names)
-    # the pairs a rolling change creates: P of A with D of B, and P of B with D of A
-    cross = [(x, y) for x, y in ((hash_inputs(a, "prefill"), fb), (hash_inputs(b, "prefill"), fa)) if x != y]
     valued = [f"{n} {x} vs {y}" for n, x, y in factors if x != y and NOT_HASHED not in (x, y)]
     only = [n for n, x, y in factors if x != y and NOT_HASHED in (x, y)]
-    if cross and not (valued or only):
-        valued = [f"{n} {x.get(n, NOT_HASHED)} vs {y.get(n, NOT_HASHED)}" for x, y in cross for n in {*x, *y}
-                  if x.get(n) != y.get(n)]
     if valued or only:
         why = "; ".join(valued + ([f"hashed by one release only: {', '.join(only)}"] if only else []))
         advice = (f"P and D of A and B never pair: the NIXL compatibility hash differs ({why}), so the handshake "
