@@ -136,6 +136,20 @@ def test_032_to_033_registers_30_rows_instead_of_870() -> None:
     assert not [k for k in c if k[0] == "layout"]
 
 
+def test_025_to_026_packs_k_and_v() -> None:
+    # prefix caching off on both: 0.26 turns it on by default for hybrids, which would also move the block
+    d = run_json("nano", "--ptp", "2", "--dtp", "2", "--no-enable-prefix-caching", "--isl", "8k,64k",
+                 "--vary", "vllm-version", "0.25", "0.26")
+    c = changes(d)
+    for isl, blocks in ((8192, cdiv(8191, 2096)), (65536, cdiv(65535, 2096))):
+        assert c[("transfer", isl, "descriptors")] == (2 * descs(2, blocks, 1), 2 * descs(1, blocks, 1))
+        assert ("transfer", isl, "bytes") not in c
+    assert c[("transfer", 65536, "descriptors")] == (960, 576)  # -40%: 'a third to a half' fewer at long prompts
+    assert not [k for k in c if k[0] == "layout"]  # FLASH_ATTN is MultipleOf(16) in both: same blocks, ratio 1
+    assert c[("nixl", "decode", "fa_regions")] == (2 * T, T)
+    assert c[("settings", None, "nixl_connector_version")] == (4, 5)
+
+
 def test_tp2_to_tp4_block_size_and_divisibility_error() -> None:
     args = ("nano-fp8", "--ptp", "2", "--vllm-version", "0.32", "--isl", "1k", "--vary", "dtp", "2", "4")
     d = run_json(*args)
