@@ -168,6 +168,9 @@ def engine_options(func: F) -> F:
                      help=f"vLLM release to plan for; verified: {versions_help()} (a newer release is planned with "
                           "the newest profile and a warning). Default: the installed vLLM, else the newest profile."),
         click.option("--platform", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True),
+        click.option("--cpu-amx-tile/--no-cpu-amx-tile", default=None,
+                     help="--platform cpu: whether the target host has AMX tiles (vLLM 0.22-0.28 force the SD conv "
+                          "layout there). Default: this host's CPU flags."),
         click.option("--cpu-avx512-bf16/--no-cpu-avx512-bf16", default=None,
                      help="--platform cpu: whether the target host has avx512_bf16 (vLLM then keeps the SSM "
                           "state in fp32). Default: this host's CPU flags."),
@@ -213,7 +216,8 @@ def settings_from(kw: dict[str, Any]) -> tuple[EngineSettings, EngineSettings]:
         num_blocks=kw["num_blocks"], kv_cache_memory=kw["kv_cache_memory"], gpu_memory=kw["gpu_memory"],
         gpu_memory_utilization=kw["gpu_memory_utilization"], weights_memory=kw["weights_memory"] or 0,
         disable_hybrid_kv_cache_manager=kw["disable_hybrid_kv_cache_manager"], conv_layout=kw["conv_layout"],
-        cpu_avx512_bf16=_host_flag(kw["cpu_avx512_bf16"], "avx512_bf16"), cpu_amx_tile=_host_flag(None, "amx_tile"))
+        cpu_avx512_bf16=_host_flag(kw["cpu_avx512_bf16"], "avx512_bf16"),
+        cpu_amx_tile=_host_flag(kw.get("cpu_amx_tile"), "amx_tile"))
     p = EngineSettings(tp=kw["ptp"], block_size=kw["p_block_size"] or kw["block_size"], **common)
     d = EngineSettings(tp=kw["dtp"], block_size=kw["d_block_size"] or kw["block_size"], **common)
     return p, d

@@ -122,13 +122,16 @@ def resolve_dtypes(model: ModelSpec, s: EngineSettings, profile: VllmProfile, pl
             reasons.append(f"NemotronH SSM state auto -> {ssm} (vLLM default when config.json has none)")
     else:
         ssm = conv
-    if model.has_mamba and platform.forces_fp32_ssm and ssm != "float32":
-        if s.cpu_avx512_bf16:
-            reasons.append(f"SSM state {ssm} -> float32 (vLLM CPU backend resets it on avx512_bf16 hosts)")
+    if model.has_mamba and platform.forces_fp32_ssm and ssm != "float32" and profile.cpu_fp32_ssm_when != "never":
+        flag = profile.cpu_fp32_ssm_when
+        has = s.cpu_avx512_bf16 if flag == "avx512_bf16" else s.cpu_amx_tile
+        if has:
+            reasons.append(f"SSM state {ssm} -> float32 (vLLM {profile.name}'s CPU backend resets it on {flag} hosts)")
             ssm = "float32"
         else:
-            why = "has no avx512_bf16" if s.cpu_avx512_bf16 is False else "is not known to have avx512_bf16"
-            reasons.append(f"SSM state stays {ssm}: the CPU host {why} (--cpu-avx512-bf16 to plan for one that has)")
+            why = f"has no {flag}" if has is False else f"is not known to have {flag}"
+            reasons.append(f"SSM state stays {ssm}: the CPU host {why} (vLLM {profile.name} resets it to float32 only "
+                           f"on {flag} hosts)")
     return Dtypes(kv=kv, conv=conv, ssm=ssm, reasons=tuple(reasons))
 
 

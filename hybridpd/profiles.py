@@ -64,6 +64,8 @@ class VllmProfile:
     cpu_sd_conv_when: str  # CPU platform sets VLLM_SSM_CONV_STATE_LAYOUT=SD: "never" | "amx" | "avx512_bf16"
     cpu_sd_overrides_env: bool  # the CPU platform's SD choice overwrites an explicit DS (<= 0.30)
     cpu_ds_with_nixl: bool  # 0.31+: the CPU platform picks DS when a NIXL connector is configured
+    cpu_fp32_ssm_when: str  # CPU platform resets the SSM cache dtype to float32: "never" | "amx" | "avx512_bf16"
+    cpu_attn_multiple_of: int  # CPU_ATTN get_supported_kernel_block_sizes: MultipleOf(n)
     backoff_uses_lookahead: bool  # 0.31+: P leaves max(1, lookahead - 1) prompt tokens to D, else 1
     strided_descriptors: bool  # 0.33: NIXL >= 1.5 strided rows (addr, len, dev, stride, count)
     checkpoint_alignment: bool  # 0.33: align mode lcm's the block with the prefill checkpoint alignment
@@ -98,12 +100,13 @@ _RELEASES: tuple[tuple[str, Version, Version, Version, dict[str, Any]], ...] = (
         pd_mamba_types=frozenset({"mamba2"}), kv_role_both_deprecated=False, nemotron_ssm_default="float32",
         hma_auto_disabled=True, ssm_one_local_block_assert=False, mamba_descs_ssm_regions_only=False,
         block_size_across_backends=False, cpu_sd_conv_when="never", cpu_sd_overrides_env=False,
-        cpu_ds_with_nixl=False, backoff_uses_lookahead=False, strided_descriptors=False, checkpoint_alignment=False,
+        cpu_ds_with_nixl=False, cpu_fp32_ssm_when="never", cpu_attn_multiple_of=1, backoff_uses_lookahead=False,
+        strided_descriptors=False, checkpoint_alignment=False,
         min_nixl_version=None, compat_hash_fields=HASH_BASE, hetero_tp_doc_experimental=True,
         notes=("remote ratio derived as ceil((conv+ssm)/kernel_page) (reference §3.9.1); HMA turned off whenever "
                "--kv-transfer-config is set (config/vllm.py)",))),
     ("0.21", (0, 21, 0), (0, 21, 99), (0, 21, 0), dict(
-        nixl_connector_version=3, derives_remote_ratio=False,
+        nixl_connector_version=3, derives_remote_ratio=False, cpu_attn_multiple_of=16,
         notes=("physical_blocks_per_logical sent in the handshake; remote ids still expanded with the local ratio",))),
     ("0.22", (0, 22, 0), (0, 22, 99), (0, 22, 1), dict(
         nixl_connector_version=4, remote_expansion_uses_local_ratio=False, hma_auto_disabled=False,
@@ -121,7 +124,7 @@ _RELEASES: tuple[tuple[str, Version, Version, Version, dict[str, Any]], ...] = (
         notes=("FLASH_ATTN always MultipleOf(16): the kernel block is the logical block",))),
     ("0.26", (0, 26, 0), (0, 26, 99), (0, 26, 0), dict(
         nixl_connector_version=5, kv_descs_per_block=1, coalesces_contiguous_blocks=True,
-        prefix_caching_default_hybrid=True,
+        prefix_caching_default_hybrid=True, cpu_fp32_ssm_when="amx",
         notes=("K and V packed in one descriptor per block (FA shape (nb, H, N, 2D)); prefix caching on by default "
                "for hybrids",))),
     ("0.27", (0, 27, 0), (0, 27, 99), (0, 27, 0), dict(
@@ -133,6 +136,7 @@ _RELEASES: tuple[tuple[str, Version, Version, Version, dict[str, Any]], ...] = (
                "compatibility hash",))),
     ("0.29", (0, 29, 0), (0, 29, 99), (0, 29, 0), dict(
         nixl_connector_version=9, mamba_descs_ssm_regions_only=True, cpu_sd_conv_when="avx512_bf16",
+        cpu_fp32_ssm_when="avx512_bf16", cpu_attn_multiple_of=32,
         notes=("block_strides; Mamba descriptors only for regions holding SSM state; CPU forces SD on every "
                "avx512_bf16 host",))),
     ("0.30", (0, 30, 0), (0, 30, 99), (0, 30, 0), dict(
@@ -244,7 +248,7 @@ class PlatformProfile:
         if backend == "triton":
             return KernelSizes(multiple_of=16)
         if backend == "cpu_attn":
-            return KernelSizes(multiple_of=32)
+            return KernelSizes(multiple_of=profile.cpu_attn_multiple_of)
         raise UsageError(f"unknown attention backend {backend!r}", field="--attention-backend",
                          fix=f"use one of {', '.join(self.backends)}")
 
