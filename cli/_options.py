@@ -97,11 +97,9 @@ class ModelArg(click.ParamType):
     name = "MODEL"
 
     def shell_complete(self, ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
-        from click.shell_completion import CompletionItem
+        from .completions import model_items  # ids and aliases, plus file names (ux, #16)
 
-        from hybridpd.models import completion_candidates
-
-        return [CompletionItem(c) for c in completion_candidates() if c.startswith(incomplete)]
+        return model_items(incomplete)
 
 
 _ISL_RE = re.compile(r"(\d{1,30}(?:\.\d{0,6})?|\.\d{1,6})\s*([kK]?)")

@@ -30,8 +30,8 @@ _MAX_ROWS = 40
 
 
 @click.command()
-@click.argument("input_path", metavar="INPUT")
-@click.argument("output_path", metavar="OUTPUT")
+@click.argument("input_path", metavar="INPUT", type=click.Path())
+@click.argument("output_path", metavar="OUTPUT", type=click.Path())
 @click.option("--to", "to", type=LAYOUT, default=None,
               help="Conv layout to write: DS (dim, state_len) or SD (state_len, dim). Required unless --check.")
 @click.option("--from", "from_layout", type=LAYOUT, default=None,

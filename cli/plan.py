@@ -8,6 +8,7 @@ import click
 
 from ._options import ModelArg, engine_options, isl_list, settings_from, target_from
 from ._output import Report, Table, Verdict, emit_json, emit_report, fmt_bytes, output_options, resolve_format
+from .completions import link_items
 
 
 @click.command()
@@ -22,7 +23,7 @@ from ._output import Report, Table, Verdict, emit_json, emit_report, fmt_bytes, 
 @click.option("--calibration", "calibration_path", type=click.Path(dir_okay=False), default=None,
               help="Transfer-time calibration JSON (schema hybridpd-calibration/1) for the per-request time "
                    "estimate n_desc x c + bytes / bw. Default: the bundled table.")
-@click.option("--link", default=None, metavar="NAME",
+@click.option("--link", default=None, metavar="NAME", shell_complete=link_items,
               help="Calibration entry to estimate with. Default: the first VRAM entry (--platform cuda) or DRAM "
                    "entry (--platform cpu).")
 @output_options
