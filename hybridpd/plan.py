@@ -140,10 +140,17 @@ def build_plan(model: str | ModelSpec, *, prefill: EngineSettings, decode: Engin
 
 
 def compat_hash_inputs(side: SideLayout, target: Target, model: str) -> dict[str, Any]:
-    """The inputs of NIXL's compatibility hash this release checks (P and D must be equal in every one)."""
+    """The factors of NIXL's compatibility hash this release computes (P and D must be equal in every one).
+
+    Values are what hybridpd knows of them: ``model`` is the --model string, ``cross_layers_blocks`` is off for
+    Mamba models and off by default otherwise, ``transfer_mode`` is "pull" (the NixlConnector default)."""
+    attn = side.model.attention if side.model.attention_layers else None
     values: dict[str, Any] = {
-        "vllm_version": target.text, "model": model, "attention_backend": side.backend,
-        "cache_dtype": side.dtypes.kv, "hma": not side.settings.disable_hybrid_kv_cache_manager,
+        "vllm_version": target.text, "nixl_connector_version": side.profile.nixl_connector_version, "model": model,
+        "dtype": side.settings.dtype or side.model.model_dtype, "num_kv_heads": attn.num_kv_heads if attn else 0,
+        "head_size": attn.head_size if attn else 0, "num_hidden_layers": side.model.num_hidden_layers,
+        "attn_backend_name": side.backend, "cache_dtype": side.dtypes.kv, "cross_layers_blocks": False,
+        "is_hma_enabled": not side.settings.disable_hybrid_kv_cache_manager and side.model.is_hybrid,
         "speculative_config": side.settings.num_speculative_tokens or None, "transfer_mode": "pull"}
     return {k: values[k] for k in side.profile.compat_hash_fields}
 
@@ -236,7 +243,7 @@ def plan_to_dict(plan: Plan, *, estimate_with: Calibration | None = None) -> dic
         "tp_ratio": tp_ratio(plan.prefill.tp, plan.decode.tp),
         "prefill": _side_dict(plan.prefill),
         "decode": _side_dict(plan.decode),
-        "compat_hash_inputs": {role: compat_hash_inputs(side, plan.target, m.source or m.model_id)
+        "compat_hash_inputs": {role: compat_hash_inputs(side, plan.target, m.model_id)
                                for role, side in (("prefill", plan.prefill), ("decode", plan.decode))},
         "recommended_block_size": plan.recommended_block_size,
         "block_decision": plan.block.as_dict(),

@@ -19,9 +19,12 @@ from .errors import UnsupportedVersion, UsageError
 
 Version = tuple[int, int, int]
 
-# Fields of NIXL's compatibility hash (nixl/metadata.py compute_nixl_compatibility_hash): P and D must agree.
-HASH_BASE = ("vllm_version", "model", "attention_backend", "cache_dtype", "hma")
+# Factors of NIXL's compatibility hash, vLLM's own key names (nixl/metadata.py compute_nixl_compatibility_hash):
+# P and D must agree on every one.  0.28 adds the speculative config and transfer mode; 0.29 drops cross_layers_blocks.
+HASH_BASE = ("vllm_version", "nixl_connector_version", "model", "dtype", "num_kv_heads", "head_size",
+             "num_hidden_layers", "attn_backend_name", "cache_dtype", "cross_layers_blocks", "is_hma_enabled")
 HASH_028 = (*HASH_BASE, "speculative_config", "transfer_mode")
+HASH_029 = tuple(f for f in HASH_028 if f != "cross_layers_blocks")
 
 
 def parse_version(text: str, *, field: str = "--vllm-version") -> Version:
@@ -135,7 +138,7 @@ _RELEASES: tuple[tuple[str, Version, Version, Version, dict[str, Any]], ...] = (
         notes=("prefix caching picks mamba_cache_mode 'align'; spec config and transfer mode join the "
                "compatibility hash",))),
     ("0.29", (0, 29, 0), (0, 29, 99), (0, 29, 0), dict(
-        nixl_connector_version=9, mamba_descs_ssm_regions_only=True, cpu_sd_conv_when="avx512_bf16",
+        nixl_connector_version=9, mamba_descs_ssm_regions_only=True, compat_hash_fields=HASH_029, cpu_sd_conv_when="avx512_bf16",
         cpu_fp32_ssm_when="avx512_bf16", cpu_attn_multiple_of=32,
         notes=("block_strides; Mamba descriptors only for regions holding SSM state; CPU forces SD on every "
                "avx512_bf16 host",))),
