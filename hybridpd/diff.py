@@ -153,14 +153,6 @@ def row_format(profile: VllmProfile) -> str:
     return "flat (addr, len, dev), one per block"
 
 
-def registered_rows(side: SideLayout, desc: DescriptorLayout) -> int | None:
-    """Descriptor rows one rank registers: flat = every (region, block); strided = one row per region and
-    Mamba sub-projection, FA one row per region when blocks are evenly strided (0.33)."""
-    if side.profile.strided_descriptors:
-        return desc.fa_regions + desc.mamba_regions
-    return desc.local_descs
-
-
 def desc_id_formula(side: SideLayout, desc: DescriptorLayout) -> str:
     nphys = "N_log" if side.physical_per_logical == 1 else f"{side.physical_per_logical}*N_log"
     return (f"FA r*N_phys+b (r < {desc.fa_regions}, N_phys = {nphys}); "
@@ -175,7 +167,8 @@ def _side_facts(s: SideLayout) -> list[tuple[str, Value]]:
         ("kv_cache_dtype", s.dtypes.kv),
         ("conv_dtype", s.dtypes.conv if m else None),
         ("ssm_dtype", s.dtypes.ssm if m else None),
-        ("conv_state_shape", _shape(m.conv.shape(s.settings.conv_layout)) if m else None),
+        ("conv_layout", s.conv_layout if m else None),
+        ("conv_state_shape", _shape(m.conv.shape(s.conv_layout)) if m else None),
         ("ssm_state_shape", _shape(m.ssm_shape) if m else None),
         ("conv_state_bytes", m.conv_bytes if m else 0),
         ("ssm_state_bytes", m.ssm_bytes if m else 0),
@@ -191,6 +184,7 @@ def _side_facts(s: SideLayout) -> list[tuple[str, Value]]:
         ("padding_bytes", s.padding_bytes),
         ("padding_pct", round(s.padding_pct, 4)),
         ("num_shared_tensors", s.num_shared_tensors),
+        ("num_ssm_slots", s.num_ssm_slots if m else None),
         ("mamba_groups", len(s.mamba_groups)),
         ("attention_groups", len(s.attention_groups)),
         ("prefix_caching", s.prefix_caching),
@@ -214,7 +208,7 @@ def _nixl_facts(s: SideLayout) -> list[tuple[str, Value]]:
         ("num_phys_blocks", d.num_phys_blocks),
         ("num_fa_descs", d.num_fa_descs),
         ("local_descs", d.local_descs),
-        ("registered_rows", registered_rows(s, d)),
+        ("registered_rows", d.registered_rows),
     ]
 
 
@@ -324,8 +318,13 @@ def pairing(a: Variant, b: Variant) -> Pairing:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _finding_key(f: Finding) -> tuple[str, str, str]:
-    return (f.severity, f.code, f.message)
+def _finding_key(f: Finding, v: Variant) -> tuple[str, str, str]:
+    """A finding's identity: its text with the variant's own release name neutral, so that a finding that only
+    names its release ("vLLM 0.24 keeps it" / "vLLM 0.33 keeps it") is the same finding on both sides."""
+    text = f.message
+    for name in sorted({v.plan.target.text, v.plan.profile.name}, key=len, reverse=True):
+        text = text.replace(f"vLLM {name}", "vLLM <release>")
+    return (f.severity, f.code, text)
 
 
 def diff_variants(a: Variant, b: Variant) -> PlanDiff:
@@ -335,11 +334,11 @@ def diff_variants(a: Variant, b: Variant) -> PlanDiff:
                     for k in keys if fa.get(k) != fb.get(k))
     order = {s: i for i, s in enumerate(SECTIONS)}
     changes = tuple(sorted(changes, key=lambda c: order[c.section]))  # stable: keeps each section's own order
-    ka = {_finding_key(f) for f in a.plan.findings}
-    kb = {_finding_key(f) for f in b.plan.findings}
+    ka = {_finding_key(f, a) for f in a.plan.findings}
+    kb = {_finding_key(f, b) for f in b.plan.findings}
     return PlanDiff(a=a, b=b, changes=changes,
-                    findings_added=tuple(f for f in b.plan.findings if _finding_key(f) not in ka),
-                    findings_removed=tuple(f for f in a.plan.findings if _finding_key(f) not in kb),
+                    findings_added=tuple(f for f in b.plan.findings if _finding_key(f, b) not in ka),
+                    findings_removed=tuple(f for f in a.plan.findings if _finding_key(f, a) not in kb),
                     pairing=pairing(a, b))
 
 

@@ -96,6 +96,9 @@ def test_upgrade_024_to_032_descriptors_time_and_hash() -> None:
     f = {x["name"]: (x["a"], x["b"]) for x in pr["factors"]}
     assert f["vllm_version"] == ("0.24.0", "0.32.0")
     assert c[("settings", None, "nixl_connector_version")] == (4, 14)
+    # read from each wheel's compute_nixl_compatibility_hash: 0.24 hashes cross_layers_blocks, 0.32 the transfer mode
+    assert f["nixl_connector_version"] == (4, 14)
+    assert f["cross_layers_blocks"] == (False, "(not hashed)") and f["transfer_mode"] == ("(not hashed)", "pull")
     assert f["model"][0] == f["model"][1] and "model" not in pr["differing"]
     assert "InferencePool" in pr["advice"] and pr["mixed_pairs"] == []
     assert d["identical"] is False and d["b_introduces_error"] is False
@@ -232,6 +235,18 @@ def test_flag_option_through_vary() -> None:
     assert c[("layout", "decode", "prefix_caching")] == (True, False)
     assert c[("layout", "decode", "mamba_cache_mode")] == ("align", "none")
     assert "prefix-caching-hybrid" in codes(d["findings"]["removed"])
+
+
+def test_a_finding_that_only_names_its_release_is_not_a_difference() -> None:
+    d = run_json("nano", "--ptp", "2", "--dtp", "2", "--vary", "vllm-version", "0.28", "0.29")
+    msgs = {f["code"]: f["message"] for f in d["findings"]["added"] + d["findings"]["removed"]}
+    assert "hma-required" not in msgs, msgs  # "vLLM 0.28 keeps it" vs "vLLM 0.29 keeps it"
+
+
+def test_model_dtype_change_breaks_the_hash() -> None:
+    d = run_json("nano", "--vllm-version", "0.32", "--kv-cache-dtype", "fp8", "--vary", "dtype", "bfloat16", "float16")
+    assert d["pairing"]["differing"] == ["dtype"] and d["pairing"]["hash_matches"] is False
+    assert "never pair" in d["pairing"]["advice"]
 
 
 def test_identical_plans() -> None:
