@@ -1,13 +1,17 @@
 """Per-request NIXL transfer-time estimate from a calibration table.
 
-Model (nixl-notes §5): a READ of ``n_desc`` descriptors moving ``bytes`` takes
+Model (nixl-notes §5): a D rank's ``reads`` READs of ``n_desc`` descriptors moving ``bytes`` take
 
-    t = n_desc × c + bytes / bw
+    t = reads × t0 + n_desc × c + bytes / bw
 
-with ``c`` seconds per descriptor and ``bw`` bytes per second, one pair per transport (UCX cuda_ipc on
-VRAM, cma on DRAM, ...).  On H200s over cuda_ipc the per-descriptor cost (5-8 µs, docs/gpu-h200-2026-11-29.md)
-dominates for the small conv B/C slices of hybrid models, so the descriptor count matters more than the byte
-count.
+with ``t0`` seconds per READ, ``c`` seconds per descriptor and ``bw`` bytes per second, one set per transport
+(UCX cuda_ipc on VRAM, cma on DRAM, ...). ``t0`` (``per_read_us``, optional, default 0) is what a bare NIXL READ
+does not show but vLLM's own ``vllm:nixl_xfer_time_seconds`` does: the READ is timed from its post until the
+engine's next poll sees it done, a fixed ~0.3-0.5 ms per request on an H200 (docs/gpu-vllm-2026-12-01.md). Entries
+fitted by bench/bench_gpu.py (bare READs) have t0 = 0 and predict the wire time; the ``vllm-nixl-h200`` entry is
+fitted to what vLLM itself reports and predicts that. On H200s over cuda_ipc the per-descriptor cost
+(5-8 µs, docs/gpu-h200-2026-11-29.md) dominates for the small conv B/C slices of hybrid models, so the
+descriptor count matters more than the byte count.
 
 The calibration file (``hybridpd/data/calibration.json`` bundled; ``--calibration FILE`` in the CLI;
 ``bench/bench_gpu.py`` writes one), with illustrative values::
@@ -15,6 +19,7 @@ The calibration file (``hybridpd/data/calibration.json`` bundled; ``--calibratio
     {"schema": "hybridpd-calibration/1",
      "entries": [{"name": "cuda_ipc-h200", "transport": "cuda_ipc/cuda", "memory": "VRAM",
                   "per_descriptor_us": 12.0, "bandwidth_gbps": 400.0,          # GB/s = 1e9 B/s
+                  "per_read_us": 0.0,                                          # optional
                   "hardware": "...", "software": "...", "measured": "...", "command": "...",
                   "fit": {"points": 4, "r2": 0.99, "max_rel_err": 0.05}}]}  # fit: optional
 
@@ -37,7 +42,7 @@ from .transfer import RequestTransfer
 
 SCHEMA = "hybridpd-calibration/1"
 BUNDLED = "bundled:hybridpd/data/calibration.json"
-MODEL = "n_desc × c + bytes / bw"
+MODEL = "reads × t0 + n_desc × c + bytes / bw"
 MEMORY_OF_PLATFORM = {"cuda": "VRAM", "cpu": "DRAM"}
 _FIELD = "--calibration"
 _FIX = "see the format in hybridpd/estimate.py (schema hybridpd-calibration/1)"
@@ -58,7 +63,7 @@ class Fit:
 
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
-    """One transport's cost model: ``per_descriptor_s`` (c) and ``bandwidth_Bps`` (bw), with provenance."""
+    """One transport's cost model: ``per_descriptor_s`` (c), ``bandwidth_Bps`` (bw) and ``per_read_s`` (t0)."""
 
     name: str  # e.g. "cuda_ipc-h200"; what --link selects
     transport: str  # UCX transport, e.g. "cuda_ipc/cuda", "cma/memory"
@@ -71,6 +76,7 @@ class Calibration:
     command: str
     fit: Fit | None = None
     source: str = BUNDLED  # the file the entry came from
+    per_read_s: float = 0.0  # t0: fixed cost of one READ as the engine times it (0 for bare-NIXL fits)
 
     def seconds(self, descriptors: int, nbytes: int) -> tuple[float, float]:
         """(descriptor part, bandwidth part) of one READ set."""
@@ -79,6 +85,7 @@ class Calibration:
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "transport": self.transport, "memory": self.memory,
                 "per_descriptor_us": self.per_descriptor_s * 1e6, "bandwidth_gbps": self.bandwidth_Bps / 1e9,
+                "per_read_us": self.per_read_s * 1e6,
                 "hardware": self.hardware, "software": self.software, "measured": self.measured,
                 "command": self.command, "fit": self.fit.as_dict() if self.fit else None, "source": self.source,
                 "model": MODEL}
@@ -164,7 +171,8 @@ def parse_calibration(data: Any, *, source: str) -> tuple[Calibration, ...]:
             bandwidth_Bps=_num(e, "bandwidth_gbps", where, positive=True) * 1e9,
             hardware=_str(e, "hardware", where), software=_str(e, "software", where),
             measured=_str(e, "measured", where), command=_str(e, "command", where),
-            fit=_fit(e.get("fit"), where), source=source))
+            fit=_fit(e.get("fit"), where), source=source,
+            per_read_s=_num(e, "per_read_us", where, positive=False) * 1e-6 if "per_read_us" in e else 0.0))
     return tuple(out)
 
 
@@ -261,6 +269,69 @@ def fit_calibration(points: Iterable[tuple[int, int, float]]) -> tuple[float, fl
     return c, bw, r2, max(abs(r) for r in rel)
 
 
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(v)
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[piv][col]) < 1e-12:
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        for r in range(n):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+def fit_engine_calibration(points: Iterable[tuple[int, int, int, float]]) -> tuple[float, float, float, float, float]:
+    """Least-squares ``seconds = reads*t0 + n_desc*c + nbytes/bw`` over (reads, n_desc, nbytes, seconds) points.
+
+    For times the engine reports (``vllm:nixl_xfer_time_seconds``), which add a fixed per-READ term to the wire
+    time. Relative residuals (weight 1/seconds²) as in ``fit_calibration``; every coefficient >= 0 (the best of
+    all subsets of free coefficients, each solved by its normal equations). Returns ``(t0, c, bw, r2, max_rel_err)``,
+    ``bw`` = ``inf`` when the bandwidth term fits to zero.
+    """
+    pts = [(float(r), float(n), float(b), float(t)) for r, n, b, t in points]
+    for r, n, b, t in pts:
+        if not (r >= 1 and n >= 1 and b >= 0 and t > 0 and math.isfinite(r + n + b + t)):
+            raise ValueError(f"bad point (reads={r:g}, n_desc={n:g}, nbytes={b:g}, seconds={t:g}): "
+                             "need reads >= 1, n_desc >= 1, nbytes >= 0, seconds > 0")
+    if len(pts) < 3:
+        raise ValueError(f"need at least 3 points to fit 3 coefficients, got {len(pts)}")
+    raw = [(r / t, n / t, b / t) for r, n, b, t in pts]
+    scale = [max(row[j] for row in raw) or 1.0 for j in range(3)]
+    rows = [[row[j] / scale[j] for j in range(3)] for row in raw]
+
+    def loss(x: list[float]) -> float:
+        return sum((sum(xj * rj for xj, rj in zip(x, row, strict=True)) - 1.0) ** 2 for row in rows)
+
+    best: list[float] | None = None
+    for mask in range(1, 8):
+        free = [j for j in range(3) if mask >> j & 1]
+        m = [[sum(row[i] * row[j] for row in rows) for j in free] for i in free]
+        v = [sum(row[i] for row in rows) for i in free]
+        sol = _solve(m, v)
+        if sol is None or min(sol) < 0:
+            continue
+        x = [0.0, 0.0, 0.0]
+        for j, val in zip(free, sol, strict=True):
+            x[j] = val
+        if best is None or loss(x) < loss(best):
+            best = x
+    if best is None:
+        raise ValueError("fit degenerated; check the points")
+    t0, c, inv_bw = (best[j] / scale[j] for j in range(3))
+    rel = [(r * t0 + n * c + b * inv_bw) / t - 1.0 for r, n, b, t in pts]
+    w = [1.0 / (t * t) for *_, t in pts]
+    mean = sum(wi * p[3] for wi, p in zip(w, pts, strict=True)) / sum(w)
+    ss_tot = sum(wi * (p[3] - mean) ** 2 for wi, p in zip(w, pts, strict=True))
+    ss_res = sum(x * x for x in rel)
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    return t0, c, math.inf if inv_bw == 0 else 1.0 / inv_bw, r2, max(abs(x) for x in rel)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RankEstimate:
     rank: int
@@ -269,14 +340,15 @@ class RankEstimate:
     descriptor_s: float  # descriptors × c
     bandwidth_s: float  # bytes / bw
     descriptor_s_coalesced: float  # descriptors_min × c
+    fixed_s: float = 0.0  # reads × t0
 
     @property
     def seconds(self) -> float:
-        return self.descriptor_s + self.bandwidth_s
+        return self.fixed_s + self.descriptor_s + self.bandwidth_s
 
     @property
     def seconds_coalesced(self) -> float:
-        return self.descriptor_s_coalesced + self.bandwidth_s
+        return self.fixed_s + self.descriptor_s_coalesced + self.bandwidth_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,6 +378,11 @@ class TransferEstimate:
         return self.slowest.bandwidth_s
 
     @property
+    def fixed_s(self) -> float:
+        """Per-READ part (reads × t0) of the slowest rank."""
+        return self.slowest.fixed_s
+
+    @property
     def request_s_coalesced(self) -> float:
         """What-if: every contiguous run merged into one descriptor (``descriptors_min``)."""
         return max(r.seconds_coalesced for r in self.per_rank)
@@ -313,21 +390,21 @@ class TransferEstimate:
     def as_dict(self) -> dict[str, Any]:
         return {"link": self.calibration.name, "transport": self.calibration.transport,
                 "request_s": self.request_s, "per_rank_s": [r.seconds for r in self.per_rank],
-                "descriptor_s": self.descriptor_s, "bandwidth_s": self.bandwidth_s,
+                "descriptor_s": self.descriptor_s, "bandwidth_s": self.bandwidth_s, "fixed_s": self.fixed_s,
                 "request_s_coalesced": self.request_s_coalesced,
                 "per_rank_s_coalesced": [r.seconds_coalesced for r in self.per_rank]}
 
 
 def estimate_request(transfer: RequestTransfer, entry: Calibration) -> TransferEstimate:
-    """Per D rank ``descriptors × c + bytes / bw``; the request takes the slowest rank.
+    """Per D rank ``reads × t0 + descriptors × c + bytes / bw``; the request takes the slowest rank.
 
     ``descriptors`` is the count vLLM hands to ``make_prepped_xfer`` (one index per region, block and
     sub-region; vLLM never merges).  NIXL may merge dense consecutive FA rows inside ``makeXferReq``
     (docs/vllm-0.32-nixl-audit.md §3; ``descriptors_min`` counts that), but the calibration points do not show
     what a merged row costs, so the default is the un-merged count (an upper bound on the descriptor part)
     and ``*_coalesced`` is the what-if with every contiguous run merged.
-    The per-READ overhead (one READ per source P rank) is not modelled separately: the calibration points
-    are single READs, so it sits inside ``c`` and the intercept.
+    ``reads`` is one READ per source P rank; ``t0`` is 0 for bare-NIXL entries (their points are single READs,
+    so the per-READ overhead sits inside ``c``) and the engine's fixed per-READ time for entries fitted to vLLM.
     """
     if not transfer.per_rank:
         raise ValueError("transfer has no D ranks")
@@ -335,5 +412,6 @@ def estimate_request(transfer: RequestTransfer, entry: Calibration) -> TransferE
     for r in transfer.per_rank:
         d_s, b_s = entry.seconds(r.descriptors, r.bytes)
         ranks.append(RankEstimate(rank=r.rank, descriptors=r.descriptors, bytes=r.bytes, descriptor_s=d_s,
-                                  bandwidth_s=b_s, descriptor_s_coalesced=r.descriptors_min * entry.per_descriptor_s))
+                                  bandwidth_s=b_s, descriptor_s_coalesced=r.descriptors_min * entry.per_descriptor_s,
+                                  fixed_s=r.reads * entry.per_read_s))
     return TransferEstimate(isl=transfer.isl, calibration=entry, per_rank=tuple(ranks))
