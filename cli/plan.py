@@ -206,7 +206,7 @@ def verdict_line(data: dict[str, Any]) -> Verdict:
 
 
 def preface(data: dict[str, Any]) -> list[str]:
-    p = data["prefill"]
+    p = data["prefill"] if data["prefill"]["ssm_dtype"] or not data["decode"]["ssm_dtype"] else data["decode"]
     dt = f"dtypes: KV cache {p['kv_cache_dtype']}"
     if p["ssm_dtype"]:
         dt += f", conv state {p['conv_dtype']}, SSM state {p['ssm_dtype']}"

@@ -318,3 +318,21 @@ def test_golden_human_output(width: int) -> None:
     assert max(len(ln) for ln in got.splitlines()) <= width
     for v in HAND:
         assert v in got
+
+
+def test_invalid_side_gets_no_spurious_block_finding() -> None:
+    """Item 11: `plan nano --ptp 3` (32 heads, n_groups 8, Mamba 4096 channels: none divisible by 3) reports
+    the TP errors only, no block-size-mismatch computed from a side vLLM would never build."""
+    d = json.loads(run("plan", "nano", "--ptp", "3", "--json").stdout)
+    codes = {f["code"] for f in d["findings"]}
+    assert {"tp-heads", "n-groups-tp"} <= codes
+    assert not codes & {"block-size-mismatch", "block-not-divisible", "block-size-capacity"}
+
+
+def test_n_groups_tp_is_a_finding_for_every_model() -> None:
+    """Item 11: Falcon-H1-34B (n_groups 2) at D TP 4 is the n-groups-tp finding (exit 1, a report), not a
+    bare `Error:` line."""
+    r = run("plan", "falcon-h1-34b", "--ptp", "2", "--dtp", "4", "--json")
+    assert r.returncode == 1, r.stderr
+    d = json.loads(r.stdout)
+    assert any(f["code"] == "n-groups-tp" and "TP 4" in f["message"] for f in d["findings"])
