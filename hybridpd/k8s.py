@@ -160,25 +160,47 @@ def compat_factors(lp: LaunchPlan, side: str, *, release: str, model: str) -> di
     vLLM hashes the release, NIXL connector version, --model string, dtype, KV heads/head size/layers
     (equal on both sides for one checkpoint), attention backend, cache dtype and HMA on/off; from 0.28
     also the speculative config and the transfer mode. This is hybridpd's key over the same inputs, not
-    vLLM's digest (which needs the resolved engine config).
+    vLLM's digest (which needs the resolved engine config). Flags in the side's argv (extra and
+    per-side arguments included) win over the plan's settings, as in vLLM's parser: last one counts.
     """
     if lp.plan is None:
         raise UsageError("the launch plan has no layout plan", field="--emit")
     lay = lp.plan.prefill if side == "prefill" else lp.plan.decode
+    argv = lp.by_role(side)[0].argv
     s = lay.settings
+    kv = _argv_value(argv, "--kv-cache-dtype")
+    hma = not s.disable_hybrid_kv_cache_manager
+    for a in argv:
+        if a in ("--disable-hybrid-kv-cache-manager", "--no-disable-hybrid-kv-cache-manager"):
+            hma = a.startswith("--no-")
     f: dict[str, Any] = {
         "vllm_version": release,
         "nixl_connector_version": lp.plan.profile.nixl_connector_version,
         "model": model,
-        "dtype": s.dtype or lp.plan.model.model_dtype,
-        "attention_backend": (s.attention_backend or lay.backend or "auto").lower(),
-        "cache_dtype": lay.dtypes.kv,
-        "hma": not s.disable_hybrid_kv_cache_manager,
+        "dtype": _argv_value(argv, "--dtype") or s.dtype or lp.plan.model.model_dtype,
+        "attention_backend": (_argv_value(argv, "--attention-backend") or s.attention_backend or lay.backend
+                              or "auto").lower(),
+        "cache_dtype": kv if kv and kv != "auto" else lay.dtypes.kv,
+        "hma": hma,
     }
     if _vt(release) >= SPEC_AND_MODE_IN_HASH_FROM:
-        f["num_speculative_tokens"] = s.num_speculative_tokens
-        f["transfer_mode"] = "pull"
+        f["speculative_config"] = _argv_value(argv, "--speculative-config") or (
+            f"num_speculative_tokens={s.num_speculative_tokens}" if s.num_speculative_tokens else None)
+        kvt = _argv_value(argv, "--kv-transfer-config")
+        conn = json.loads(kvt).get("kv_connector") if kvt else None
+        f["transfer_mode"] = "push" if conn == "NixlPushConnector" else "pull"  # WRITE vs READ connector
     return f
+
+
+def _argv_value(argv: tuple[str, ...] | list[str], flag: str) -> str | None:
+    """The value of the last `--flag V` / `--flag=V` in argv, else None."""
+    val = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            val = argv[i + 1]
+        elif a.startswith(flag + "="):
+            val = a.split("=", 1)[1]
+    return val
 
 
 def compat_key(factors: dict[str, Any]) -> str:
@@ -322,13 +344,17 @@ class Ctx:
     def pod_labels(self, role: str) -> dict[str, str]:
         """Labels of P/D pods: llm-d's role and pool labels, and the compatibility factors."""
         f = self.factors[role]
-        return {
-            **self.common_labels(),
-            "app.kubernetes.io/name": f"{self.base}-{role}",
+        llmd = {} if self.opts.target == "plain" else {
             "llm-d.ai/inference-serving": "true",
             "llm-d.ai/role": role,
             "llm-d.ai/model": label_value(self.model.rsplit("/", 1)[-1]),
             "inference.networking.k8s.io/engine-type": "vllm",
+        }
+        return {
+            **self.common_labels(),
+            "app.kubernetes.io/name": f"{self.base}-{role}",
+            **llmd,
+            f"{LABEL_PREFIX}/role": role,
             f"{LABEL_PREFIX}/compat": self.keys[role],
             f"{LABEL_PREFIX}/vllm-version": label_value(f["vllm_version"]),
             f"{LABEL_PREFIX}/attention-backend": label_value(str(f["attention_backend"])),
@@ -451,34 +477,45 @@ def to_yaml(docs: list[dict[str, Any]] | tuple[dict[str, Any], ...]) -> str:
 def write_output(m: Manifests, path: str) -> list[str]:
     """Write one YAML file, or a kustomize-style directory when PATH ends with '/' or is a directory.
 
-    The file goes through an atomic rename beside PATH (a symlink at PATH is replaced, never followed).
-    A directory must not exist yet, or be empty: it is filled in a temporary sibling and renamed into
-    place, so a reader never sees half of it and no file the user did not name is overwritten.
+    The file goes through ``fsutil.write_atomic`` (a temporary file renamed over PATH; a symlink the user
+    named is followed to its regular file, anything else refused). A directory must not exist yet, or
+    be empty: it is filled in a temporary sibling and renamed into place, so a reader never sees half of
+    it and no file the user did not name is overwritten.
     """
+    import shutil
+    import tempfile
+
+    from .errors import OutputError
     from .fsutil import write_atomic
 
-    if path.endswith(os.sep) or os.path.isdir(path):
-        target = path.rstrip(os.sep) or path
-        if os.path.islink(target):
-            raise UsageError(f"{target} is a symlink", field="-o/--output", fix="name a real directory")
-        if os.path.isdir(target) and os.listdir(target):
-            raise UsageError(f"{target} is not empty", field="-o/--output",
-                             fix="name a new or empty directory (hybridpd never replaces files it was not given)")
-        import tempfile
-
-        parent = os.path.dirname(os.path.abspath(target))
+    fld = "-o/--output"
+    if not (path.endswith(os.sep) or os.path.isdir(path)):
+        write_atomic(path, to_yaml(m.docs), field=fld)
+        return [path]
+    target = path.rstrip(os.sep) or path
+    if os.path.islink(target):
+        raise UsageError(f"{target} is a symlink", field=fld, fix="name a real directory")
+    if os.path.isdir(target) and os.listdir(target):
+        raise UsageError(f"{target} is not empty", field=fld,
+                         fix="name a new or empty directory (hybridpd never replaces files it was not given)")
+    parent = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(parent):
+        raise UsageError(f"directory {parent} does not exist", field=fld, fix="create it first")
+    files = m.files()
+    try:
         tmp = tempfile.mkdtemp(prefix=".hybridpd-", dir=parent)
-        try:
-            files = m.files()
-            for fname, text in files.items():
-                write_atomic(os.path.join(tmp, fname), text)
-            os.chmod(tmp, 0o755)
-            os.replace(tmp, target)  # an empty directory is replaced atomically; a non-empty one fails
-        except BaseException:
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return [os.path.join(target, f) for f in files]
-    write_atomic(path, to_yaml(m.docs))
-    return [path]
+    except OSError as e:
+        raise OutputError(f"cannot write {target}: {e.strerror}; nothing was written", field=fld) from None
+    try:
+        for fname, text in files.items():
+            write_atomic(os.path.join(tmp, fname), text, field=fld)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        os.replace(tmp, target)  # an empty directory is replaced atomically; a non-empty one is not
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise OutputError(f"cannot write {target}: {e.strerror or e}; nothing was written", field=fld) from None
+        raise
+    return [os.path.join(target, f) for f in files]

@@ -15,6 +15,7 @@ Needs ``jsonschema`` and ``kubernetes-validate`` (the ``test`` extra); imported 
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -95,21 +96,40 @@ def validate_docs(docs: Iterable[dict[str, Any]], crds: Iterable[dict[str, Any]]
         where = f"{d.get('kind')}/{d.get('metadata', {}).get('name')}"
         key = (d.get("apiVersion", ""), d.get("kind", ""))
         if key in schemas:
-            v = jsonschema.Draft202012Validator(schemas[key])
-            for e in sorted(v.iter_errors(d), key=lambda e: list(e.absolute_path)):
-                problems.append(f"{where}: {'/'.join(map(str, e.absolute_path)) or '.'}: {e.message}")
+            validator = jsonschema.Draft202012Validator(schemas[key])
         else:
             try:
-                kubernetes_validate.validate(d, k8s_version, strict=True)
-            except kubernetes_validate.ValidationError as e:
-                problems.append(f"{where}: {'/'.join(map(str, e.absolute_path)) or '.'}: {e.message}")
-            except kubernetes_validate.SchemaNotFoundError as e:
-                problems.append(f"{where}: no schema: {e.message}")
+                validator = _core_validator(k8s_version, *key)
+            except kubernetes_validate.SchemaNotFoundError as exc:
+                problems.append(f"{where}: no schema: {exc.message}")
+                continue
+        for err in sorted(validator.iter_errors(d), key=lambda e: list(e.absolute_path)):
+            problems.append(f"{where}: {'/'.join(map(str, err.absolute_path)) or '.'}: {err.message}")
         problems += [f"{where}: {p}" for p in object_problems(d)]
         if epp_schema is not None and d.get("kind") == "ConfigMap":
             problems += [f"{where}: {p}" for p in epp_configmap_problems(d, epp_schema)]
     problems += deployment_problems(docs)
     return problems
+
+
+@functools.lru_cache(maxsize=64)
+def _core_validator(k8s_version: str, api_version: str, kind: str) -> Any:
+    """kubernetes-validate's strict schema for one kind, loaded once (its validate() re-reads the files per call)."""
+    import jsonschema
+    import kubernetes_validate
+    from kubernetes_validate import utils
+    from referencing import Registry, Resource
+
+    version = [v for v in utils.all_versions() if utils.major_minor(v) <= utils.major_minor(k8s_version)][-1]
+    api = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    folder = f"kubernetes-json-schema/v{version}-local-strict"
+    try:
+        schema = utils.schema_contents(f"{folder}/{kind.lower()}-{api}.json", k8s_version)
+    except FileNotFoundError:
+        raise kubernetes_validate.SchemaNotFoundError(kind=kind, version=k8s_version, api_version=api_version) from None
+    defs = utils.schema_contents(f"{folder}/_definitions.json", k8s_version)
+    registry = Resource.from_contents(defs) @ (Resource.from_contents(schema) @ Registry())  # type: ignore[operator]
+    return jsonschema.Draft202012Validator(schema, registry=registry)
 
 
 def object_problems(d: dict[str, Any]) -> list[str]:
@@ -135,9 +155,12 @@ def object_problems(d: dict[str, Any]) -> list[str]:
         image = c.get("image", "")
         if ":" not in image.rsplit("/", 1)[-1] or image.endswith(":latest"):
             out.append(f"{path}: image {image!r} is not pinned to a release")
+        mounts = [m["mountPath"].rstrip("/") + "/" for m in c.get("volumeMounts", [])]
         for a in [*c.get("command", []), *c.get("args", [])]:
-            if re.match(r"/(work|home|tmp|root|usr/local/bin/python|venv)", str(a)) or "/.venv/" in str(a):
-                out.append(f"{path}: argument {a!r} is a path of the machine that ran serve")
+            for tok in re.findall(r"(?:^|[=\s])(/[^\s,;\"']+)", str(a)):
+                if not any(tok.startswith(m) for m in mounts):
+                    out.append(f"{path}: argument {a!r} names {tok}, a path outside the pod's volumes "
+                               "(a path of the machine that ran serve?)")
     return out
 
 
@@ -196,12 +219,14 @@ def deployment_problems(docs: list[dict[str, Any]]) -> list[str]:
                                                   for _, t in pods):
             out.append(f"{where}: selects no pod")
         if d.get("kind") == "InferencePool":
-            sel = d["spec"]["selector"]["matchLabels"]
+            if not isinstance(d.get("spec", {}).get("selector"), dict):
+                continue  # the schema check reports it
+            sel = d["spec"]["selector"].get("matchLabels", {})
             roles = {t["metadata"]["labels"].get("llm-d.ai/role") for _, t in pods
                      if _selects(sel, t["metadata"]["labels"])}
             if not roles:
                 out.append(f"{where}: selects no pod")
-            port = d["spec"]["targetPorts"][0]["number"]
+            port = (d["spec"].get("targetPorts") or [{}])[0].get("number")
             for owner, t in pods:
                 if not _selects(sel, t["metadata"]["labels"]):
                     continue
@@ -214,9 +239,18 @@ def deployment_problems(docs: list[dict[str, Any]]) -> list[str]:
                         c.get("name") == "routing-proxy" and c.get("restartPolicy") == "Always"
                         for c in spec.get("initContainers", [])):
                     out.append(f"{where}: decode pod {owner} has no routing-proxy native sidecar")
-            ref = d["spec"]["endpointPickerRef"]["name"]
+            ref = d["spec"].get("endpointPickerRef", {}).get("name")
             if not any(x.get("kind") == "Service" and x["metadata"]["name"] == ref for x in docs):
                 out.append(f"{where}: endpointPickerRef names no Service {ref!r}")
+    pools = [d["spec"]["selector"].get("matchLabels", {}) for d in docs
+             if d.get("kind") == "InferencePool" and isinstance(d.get("spec", {}).get("selector"), dict)]
+    for owner, t in pods:
+        labels = t["metadata"]["labels"]
+        if "llm-d.ai/role" in labels and not any(_selects(sel, labels) for sel in pools):
+            out.append(f"{owner}: llm-d role {labels['llm-d.ai/role']!r} but no InferencePool selects the pod")
+    if pools and not any(d.get("kind") == "ConfigMap" and "EndpointPickerConfig" in str(d.get("data"))
+                         for d in docs):
+        out.append("InferencePool without an EndpointPickerConfig for its EPP")
     return out
 
 
