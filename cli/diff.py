@@ -11,7 +11,7 @@ from click.core import ParameterSource
 from ._options import ModelArg, engine_options, isl_list, settings_from, target_from
 from ._output import Report, Table, emit_json, emit_report, output_options, resolve_format
 
-_SIDE_ONLY = ("calibration_path", "link")
+COMMON_ONLY = ("--isl", "--strict", "--exit-code", "--vary", "--b-recommended")
 
 
 def _side_command() -> click.Command:
@@ -20,7 +20,7 @@ def _side_command() -> click.Command:
         pass
 
     f = click.option("--link", default=None)(side)
-    f = click.option("--calibration", "calibration_path", default=None)(f)
+    f = click.option("--calibration", "calibration_path", type=click.Path(dir_okay=False), default=None)(f)
     return click.command("side", add_help_option=False)(engine_options(f))
 
 
@@ -32,14 +32,11 @@ def parse_side(args: list[str], where: str) -> dict[str, Any]:
     try:
         ctx = SIDE.make_context(where, list(args))
     except click.NoSuchOption as e:
-        common = {"--isl": "--isl", "--plot": "--plot", "--strict": "--strict"}
-        hint = f" ({e.option_name} is common to A and B: give it once, outside {where})" if e.option_name in common else ""
+        hint = f" ({e.option_name} is common to A and B: give it once, outside {where})" \
+            if e.option_name in COMMON_ONLY else ""
         raise click.BadParameter(f"{e.format_message()}{hint}", param_hint=where) from None
     except click.ClickException as e:
         raise click.BadParameter(e.format_message(), param_hint=where) from None
-    if ctx.args:
-        raise click.BadParameter(f"unexpected argument {ctx.args[0]!r}: give options only, e.g. \"--dtp 4\"",
-                                 param_hint=where)
     return {k: v for k, v in ctx.params.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
 
 
