@@ -35,12 +35,6 @@ VLLM_IMAGE_REPO = "vllm/vllm-openai"
 # The image the repository's Dockerfile builds (``docker build -t hybridpd:0.1.0 .``); push it to your
 # registry and pass --proxy-image there.
 PROXY_IMAGE = "hybridpd:0.1.0"
-# Releases hybridpd has profiles and unpacked sources for; an X.Y version resolves to the newest here.
-KNOWN_RELEASES = ("0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.0", "0.28.0",
-                  "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
-# From 0.28 the NIXL compatibility hash also covers the speculative config and the transfer mode
-# (vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py, compute_nixl_compatibility_hash).
-SPEC_AND_MODE_IN_HASH_FROM = (0, 28, 0)
 PREFILL_PORT = 8000  # vLLM on prefill pods (llm-d: the InferencePool target port)
 DECODE_PORT = 8200  # vLLM on decode pods behind the routing sidecar (llm-d guide)
 SIDECAR_PORT = 8000
@@ -123,27 +117,20 @@ def check_image(image: str, *, field: str) -> None:
                          fix="use a release tag (vX.Y.Z) or a digest")
 
 
-def resolve_release(version: str | None, entry_version: str | None, profile_first: tuple[int, int, int],
-                    profile_last: tuple[int, int, int]) -> tuple[str, str | None]:
-    """The exact vLLM release X.Y.Z the image is pinned to, and a note when it had to be chosen."""
+def resolve_release(version: str | None, entry_version: str | None, checked: tuple[int, int, int]) -> tuple[str, str | None]:
+    """The exact vLLM release X.Y.Z the image is pinned to, and a note when hybridpd had to choose it.
+
+    An explicit X.Y.Z (--vllm-version, else the vLLM the entry reports) is used as given; otherwise the
+    release hybridpd checked the plan's profile against (``VllmProfile.checked``).
+    """
     for text in (version, entry_version):
         if text:
             m = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)", text.strip())
             if m:
                 return f"{m.group(1)}.{m.group(2)}.{m.group(3)}", None
-    want = None
-    if version:
-        m = re.fullmatch(r"v?(\d+)\.(\d+)", version.strip())
-        if m:
-            want = (int(m.group(1)), int(m.group(2)))
-    cands = [r for r in KNOWN_RELEASES if profile_first <= _vt(r) <= profile_last
-             and (want is None or _vt(r)[:2] == want)]
-    if not cands:
-        raise UsageError(f"no exact vLLM release known for {version or 'this profile'}", field="--vllm-version",
-                         fix="pass --vllm-version X.Y.Z (the release your image runs) or --image")
-    rel = max(cands, key=_vt)
-    return rel, (f"image pinned to {VLLM_IMAGE_REPO}:v{rel}, the newest {rel.rsplit('.', 1)[0]} release hybridpd "
-                 "knows; pass --vllm-version X.Y.Z or --image for another")
+    rel = ".".join(map(str, checked))
+    return rel, (f"image pinned to {VLLM_IMAGE_REPO}:v{rel}, the release hybridpd checked this profile against; "
+                 "pass --vllm-version X.Y.Z or --image for another")
 
 
 def _vt(text: str) -> tuple[int, int, int]:
@@ -155,40 +142,38 @@ def _vt(text: str) -> tuple[int, int, int]:
 
 
 def compat_factors(lp: LaunchPlan, side: str, *, release: str, model: str) -> dict[str, Any]:
-    """The NIXL compatibility-hash inputs hybridpd knows before launch, for one side.
+    """The NIXL compatibility-hash inputs of one side, as its pod will run it.
 
-    vLLM hashes the release, NIXL connector version, --model string, dtype, KV heads/head size/layers
-    (equal on both sides for one checkpoint), attention backend, cache dtype and HMA on/off; from 0.28
-    also the speculative config and the transfer mode. This is hybridpd's key over the same inputs, not
-    vLLM's digest (which needs the resolved engine config). Flags in the side's argv (extra and
-    per-side arguments included) win over the plan's settings, as in vLLM's parser: last one counts.
+    ``plan.compat_hash_inputs`` (the one place that knows which factors each release hashes) for the
+    pinned release and the model string the pods get; then the flags in the side's argv (extra and
+    per-side arguments included) override what they control, the last one winning as in vLLM's parser.
     """
+    from dataclasses import replace
+
+    from .plan import compat_hash_inputs
+
     if lp.plan is None:
         raise UsageError("the launch plan has no layout plan", field="--emit")
     lay = lp.plan.prefill if side == "prefill" else lp.plan.decode
+    f = compat_hash_inputs(lay, replace(lp.plan.target, version=_vt(release)), model)
     argv = lp.by_role(side)[0].argv
-    s = lay.settings
-    kv = _argv_value(argv, "--kv-cache-dtype")
-    hma = not s.disable_hybrid_kv_cache_manager
+    over: dict[str, Any] = {}
+    if (v := _argv_value(argv, "--dtype")) and v != "auto":
+        over["dtype"] = v
+    if v := _argv_value(argv, "--attention-backend"):
+        over["attn_backend_name"] = v.lower()
+    if (v := _argv_value(argv, "--kv-cache-dtype")) and v != "auto":
+        over["cache_dtype"] = v
     for a in argv:
         if a in ("--disable-hybrid-kv-cache-manager", "--no-disable-hybrid-kv-cache-manager"):
-            hma = a.startswith("--no-")
-    f: dict[str, Any] = {
-        "vllm_version": release,
-        "nixl_connector_version": lp.plan.profile.nixl_connector_version,
-        "model": model,
-        "dtype": _argv_value(argv, "--dtype") or s.dtype or lp.plan.model.model_dtype,
-        "attention_backend": (_argv_value(argv, "--attention-backend") or s.attention_backend or lay.backend
-                              or "auto").lower(),
-        "cache_dtype": kv if kv and kv != "auto" else lay.dtypes.kv,
-        "hma": hma,
-    }
-    if _vt(release) >= SPEC_AND_MODE_IN_HASH_FROM:
-        f["speculative_config"] = _argv_value(argv, "--speculative-config") or (
-            f"num_speculative_tokens={s.num_speculative_tokens}" if s.num_speculative_tokens else None)
-        kvt = _argv_value(argv, "--kv-transfer-config")
-        conn = json.loads(kvt).get("kv_connector") if kvt else None
-        f["transfer_mode"] = "push" if conn == "NixlPushConnector" else "pull"  # WRITE vs READ connector
+            over["is_hma_enabled"] = a.startswith("--no-") and lay.model.is_hybrid
+    if v := _argv_value(argv, "--speculative-config"):
+        over["speculative_config"] = v
+    if kvt := _argv_value(argv, "--kv-transfer-config"):
+        over["transfer_mode"] = "push" if json.loads(kvt).get("kv_connector") == "NixlPushConnector" else "pull"
+    f.update({k: v for k, v in over.items() if k in f})
+    if isinstance(f.get("attn_backend_name"), str):
+        f["attn_backend_name"] = f["attn_backend_name"].lower()
     return f
 
 
@@ -357,9 +342,9 @@ class Ctx:
             f"{LABEL_PREFIX}/role": role,
             f"{LABEL_PREFIX}/compat": self.keys[role],
             f"{LABEL_PREFIX}/vllm-version": label_value(f["vllm_version"]),
-            f"{LABEL_PREFIX}/attention-backend": label_value(str(f["attention_backend"])),
-            f"{LABEL_PREFIX}/cache-dtype": label_value(str(f["cache_dtype"])),
-            f"{LABEL_PREFIX}/hma": "on" if f["hma"] else "off",
+            f"{LABEL_PREFIX}/attention-backend": label_value(str(f.get("attn_backend_name"))),
+            f"{LABEL_PREFIX}/cache-dtype": label_value(str(f.get("cache_dtype"))),
+            f"{LABEL_PREFIX}/hma": "on" if f.get("is_hma_enabled") else "off",
         }
 
     def pod_annotations(self, role: str, p: ProcessSpec) -> dict[str, str]:
@@ -382,7 +367,7 @@ def build_manifests(lp: LaunchPlan, opts: K8sOptions) -> Manifests:
         raise UsageError(f"{VLLM_IMAGE_REPO} is a CUDA image; the plan is for {lp.platform}", field="--image",
                          fix="pass --image with a vLLM image for that platform")
     prof = lp.plan.profile
-    release, note = resolve_release(opts.vllm_version, lp.entry.version, prof.first, prof.last)
+    release, note = resolve_release(opts.vllm_version, lp.entry.version, prof.checked)
     if note and opts.image is None:
         notes.append(note)
     image = opts.image or f"{VLLM_IMAGE_REPO}:v{release}"

@@ -199,7 +199,7 @@ def test_images_pinned_and_identical(target: str) -> None:
 
 def test_release_resolution() -> None:
     m = build_manifests(lp_for(version="0.32"), K8sOptions(vllm_version="0.32"))
-    assert m.image == "vllm/vllm-openai:v0.32.0" and any("newest 0.32 release" in n for n in m.notes)
+    assert m.image == "vllm/vllm-openai:v0.32.0" and any("hybridpd checked this profile against" in n for n in m.notes)
     m = build_manifests(lp_for(version="0.32.3"), K8sOptions(vllm_version="0.32.3"))
     assert m.image == "vllm/vllm-openai:v0.32.3" and not m.notes
     m = build_manifests(lp_for(), K8sOptions(image="registry.example/vllm:v0.32.0-cu13"))
