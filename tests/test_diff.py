@@ -381,3 +381,15 @@ def test_golden(name: str, fmt: str) -> None:
     assert path.exists(), f"{path} missing: run HYBRIDPD_REGEN_GOLDEN=1 pytest tests/test_diff.py"
     assert text.replace(CAL, "CAL") == path.read_text(), (
         f"{path.name} is stale: check the change, then HYBRIDPD_REGEN_GOLDEN=1 pytest tests/test_diff.py")
+
+
+def test_diff_imports_neither_torch_nor_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from click.testing import CliRunner; from hybridpd_cli.main import cli; "
+            "r = CliRunner().invoke(cli, ['diff', 'nano', '--vary', 'vllm-version', '0.24', '0.33', '--json']); "
+            "assert r.exit_code == 0, r.output; print(sorted(m for m in ('torch', 'vllm', 'nixl') if m in sys.modules))")
+    cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout.strip() == "[]"
