@@ -111,7 +111,7 @@ def running_pd(model: Path, logs: Path, tag: str) -> Iterator[dict[str, str]]:
         proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, start_new_session=True)
     groups: set[int] = set()
     try:
-        deadline = time.monotonic() + float(os.environ.get("HYBRIDPD_GPU_STARTUP_S", "480"))
+        deadline = time.monotonic() + float(os.environ.get("HYBRIDPD_GPU_STARTUP_S", "540"))
         while "all healthy" not in err.read_text():
             assert proc.poll() is None, err.read_text()[-4000:]
             assert time.monotonic() < deadline, err.read_text()[-4000:]
