@@ -38,7 +38,8 @@ _FLAG = {"tp": "TP", "block_size": "--block-size", "kv_cache_dtype": "--kv-cache
          "max_model_len": "--max-model-len", "num_blocks": "--num-blocks", "kv_cache_memory": "--kv-cache-memory",
          "gpu_memory": "--gpu-memory", "gpu_memory_utilization": "--gpu-memory-utilization",
          "weights_memory": "--weights-memory", "disable_hybrid_kv_cache_manager": "--disable-hybrid-kv-cache-manager",
-         "conv_layout": "--conv-layout", "cpu_avx512_bf16": "--cpu-avx512-bf16"}
+         "conv_layout": "--conv-layout", "cpu_avx512_bf16": "--cpu-avx512-bf16",
+         "cpu_amx_tile": "--cpu-amx-tile"}
 
 NOT_HASHED = "(not hashed)"
 LLMD_ADVICE = ("llm-d's guidance: the endpoint picker assumes every P/D pair in an InferencePool is compatible, so "
@@ -245,11 +246,12 @@ def facts(v: Variant) -> dict[Key, Value]:
                 out[("reads", scope, k)] = val
     for t in p.transfers:
         est = estimate_request(t, v.calibration) if v.calibration else None
-        vals: tuple[tuple[str, Value], ...] = (("tokens_transferred", t.tokens_transferred), ("logical_blocks", t.logical_blocks),
-                       ("bytes", t.bytes), ("fa_bytes", t.fa_bytes), ("mamba_bytes", t.mamba_bytes),
-                       ("naive_bytes", t.naive_bytes), ("descriptors", t.descriptors),
-                       ("descriptors_min", t.descriptors_min), ("descriptors_per_rank", [r.descriptors for r in t.per_rank]),
-                       ("reads", t.reads), ("est_request_s", est.request_s if est else None))
+        vals: tuple[tuple[str, Value], ...] = (
+            ("tokens_transferred", t.tokens_transferred), ("logical_blocks", t.logical_blocks), ("bytes", t.bytes),
+            ("fa_bytes", t.fa_bytes), ("mamba_bytes", t.mamba_bytes), ("naive_bytes", t.naive_bytes),
+            ("descriptors", t.descriptors), ("descriptors_min", t.descriptors_min),
+            ("descriptors_per_rank", [r.descriptors for r in t.per_rank]), ("reads", t.reads),
+            ("est_request_s", est.request_s if est else None))
         for k, val in vals:
             out[("transfer", t.isl, k)] = val
     for side in (p.prefill, p.decode):
