@@ -145,6 +145,7 @@ def fix_holds_for(result: Any, p: Any, d: Any, kw: dict[str, Any]) -> dict[str, 
     """
     from dataclasses import replace
 
+    from hybridpd.errors import HybridPDError
     from hybridpd.plan import build_plan
 
     rec = result.recommended_block_size
@@ -153,7 +154,7 @@ def fix_holds_for(result: Any, p: Any, d: Any, kw: dict[str, Any]) -> dict[str, 
     kv_now, ssm_now = result.prefill.dtypes.kv, result.prefill.dtypes.ssm
     alts: list[tuple[str, str, dict[str, str]]] = []
     if kw["kv_cache_dtype"] == "auto":
-        for kv in dict.fromkeys((result.model.model_dtype, "fp8")):
+        for kv in dict.fromkeys((p.dtype or result.model.model_dtype, "fp8")):
             if kv != kv_now:
                 alts.append(("KV", kv, {"kv_cache_dtype": kv}))
     if kw["mamba_ssm_cache_dtype"] == "auto" and result.model.family == "nemotron_h" and result.model.has_mamba:
@@ -162,17 +163,34 @@ def fix_holds_for(result: Any, p: Any, d: Any, kw: dict[str, Any]) -> dict[str, 
                 alts.append(("SSM", ssm, {"mamba_ssm_cache_dtype": ssm}))
     holds, fails = [], []
     for what, val, change in alts:
-        fixed = build_plan(result.model, prefill=replace(p, block_size=rec, **change),
-                           decode=replace(d, block_size=rec, **change), vllm_version=result.profile.name,
-                           platform=result.platform.name, isls=(1024,))
-        if fixed.recommended_block_size is None and fixed.prefill.block_size == fixed.decode.block_size == rec:
-            holds.append(f"{what} {val}")
-        else:
+        try:
+            fixed = build_plan(result.model, prefill=replace(p, block_size=rec, **change),
+                               decode=replace(d, block_size=rec, **change), vllm_version=result.profile.name,
+                               platform=result.platform.name, isls=(1024,))
+            if fixed.recommended_block_size is None and fixed.prefill.block_size == fixed.decode.block_size == rec:
+                holds.append(f"{what} {val}")
+                continue
             base = build_plan(result.model, prefill=replace(p, **change), decode=replace(d, **change),
                               vllm_version=result.profile.name, platform=result.platform.name, isls=(1024,))
-            fails.append({"dtype": f"{what} {val}", "block_size": base.recommended_block_size})
+        except HybridPDError:
+            continue  # that combination is not plannable at all; nothing to say about the fix under it
+        fails.append({"dtype": f"{what} {val}", "block_size": base.recommended_block_size})
+    every = None
+    cands = [f["block_size"] for f in fails if f["block_size"]]
+    if cands and len(cands) == len(fails):
+        big = max(rec, *cands)
+        ok = True
+        for change in [{}] + [c for _, _, c in alts]:
+            try:
+                t = build_plan(result.model, prefill=replace(p, block_size=big, **change),
+                               decode=replace(d, block_size=big, **change), vllm_version=result.profile.name,
+                               platform=result.platform.name, isls=(1024,))
+            except HybridPDError:
+                continue
+            ok = ok and t.recommended_block_size is None and t.prefill.block_size == t.decode.block_size == big
+        every = big if ok else None
     return {"block_size": rec, "assumes": [f"KV {kv_now}"] + ([f"SSM {ssm_now}"] if result.model.has_mamba else []),
-            "also_holds_for": holds, "fails_for": fails}
+            "also_holds_for": holds, "fails_for": fails, "holds_for_all": every}
 
 
 def verdict_dict(data: dict[str, Any], fix_check: dict[str, Any] | None) -> dict[str, Any]:
@@ -202,6 +220,8 @@ def verdict_line(data: dict[str, Any]) -> Verdict:
             text += f" and also right for {', '.join(chk['also_holds_for'])}"
         for f in chk["fails_for"]:
             text += f"; with {f['dtype']} use --block-size {f['block_size']} instead"
+        if chk.get("holds_for_all"):
+            text += f" (--block-size {chk['holds_for_all']} holds for all of these, with more padding)"
     return Verdict(level="error", text=text + ".")
 
 

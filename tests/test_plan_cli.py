@@ -336,3 +336,18 @@ def test_n_groups_tp_is_a_finding_for_every_model() -> None:
     assert r.returncode == 1, r.stderr
     d = json.loads(r.stdout)
     assert any(f["code"] == "n-groups-tp" and "TP 4" in f["message"] for f in d["findings"])
+
+
+def test_fix_says_what_it_assumes_when_the_ssm_dtype_is_uncertain() -> None:
+    """Super-FP8's SSM state is float16 per NVIDIA's quantization page, float32 per its deployment guide.
+    Hand check, P TP 1: conv 3*(8192 + 2*8*128)*2 = 61,440 B; SSM fp16 128*64*128*2 = 2,097,152 B ->
+    2,158,592 B over fp8 KV 512 B/token -> 16*ceil(2,158,592/8192) = 4224; SSM fp32 4,194,304 B ->
+    4,255,744 B -> 16*ceil(4,255,744/8192) = 8320 (D TP 4 then needs 4160 <= 8320, so 8320 covers both)."""
+    r = run("plan", "super-fp8", "--ptp", "1", "--dtp", "4", "--json")
+    v = json.loads(r.stdout)["verdict"]
+    chk = v["block_fix_check"]
+    assert chk["block_size"] == 4224 and "SSM float16" in chk["assumes"]
+    assert {"dtype": "SSM float32", "block_size": 8320} in chk["fails_for"]
+    assert chk["holds_for_all"] == 8320
+    first = run("plan", "super-fp8", "--ptp", "1", "--dtp", "4").stdout.splitlines()[0]
+    assert "--block-size 4224" in first and "with SSM float32 use --block-size 8320" in first
