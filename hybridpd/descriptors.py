@@ -30,27 +30,27 @@ class DescTable:
         return int(self.addr.shape[0])
 
 
+def _grid(bases: np.ndarray, offsets: np.ndarray, n: int, stride: int) -> np.ndarray:
+    """base + offset + b*stride for every (base, offset, b), base-major: one broadcast, no per-region loop."""
+    blocks = np.arange(n, dtype=np.uint64) * np.uint64(stride)
+    return (bases[:, None, None] + offsets[None, :, None] + blocks[None, None, :]).reshape(-1)
+
+
 def _fa_part(bases: np.ndarray, n_phys: int, kernel_page: int, kvd: int, offset: int, v_offset: int | None,
              length: int) -> tuple[np.ndarray, np.ndarray]:
-    T = bases.shape[0]
-    blocks = np.arange(n_phys, dtype=np.uint64) * np.uint64(kernel_page)
-    offs = [offset] if kvd == 1 else [offset, v_offset if v_offset is not None else offset + kernel_page // 2]
     # region order: tensor i -> (K, V) when kvd == 2
-    per_region = [bases[i] + np.uint64(o) + blocks for i in range(T) for o in offs]
-    addr = np.concatenate(per_region) if per_region else np.zeros(0, np.uint64)
+    offs = [offset] if kvd == 1 else [offset, v_offset if v_offset is not None else offset + kernel_page // 2]
+    addr = _grid(bases, np.asarray(offs, dtype=np.uint64), n_phys, kernel_page)
     return addr, np.full(addr.shape[0], length, dtype=np.uint64)
 
 
 def _mamba_part(bases: np.ndarray, n_log: int, page: int, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-    blocks = np.arange(n_log, dtype=np.uint64) * np.uint64(page)
-    addrs, lens = [], []
-    for i in range(bases.shape[0]):
-        for off, ln in spans:
-            addrs.append(bases[i] + np.uint64(off) + blocks)
-            lens.append(np.full(n_log, ln, dtype=np.uint64))
-    if not addrs:
+    if not spans or bases.shape[0] == 0:
         return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-    return np.concatenate(addrs), np.concatenate(lens)
+    addr = _grid(bases, np.asarray([o for o, _ in spans], dtype=np.uint64), n_log, page)
+    lens = np.broadcast_to(np.asarray([ln for _, ln in spans], dtype=np.uint64)[None, :, None],
+                           (bases.shape[0], len(spans), n_log)).reshape(-1)
+    return addr, lens
 
 
 def local_table(side: SideLayout, bases: list[int], n_log: int) -> DescTable:
@@ -86,6 +86,60 @@ def remote_table(p: SideLayout, src: SourceRead, bases: list[int], n_log: int) -
     m_a, m_l = _mamba_part(b[:p.num_ssm_slots], n_log, p.page_size_bytes, spans)
     return DescTable(addr=np.concatenate([fa_a, m_a]), length=np.concatenate([fa_l, m_l]),
                      num_fa_descs=int(fa_a.shape[0]), n_phys=n_phys, n_log=n_log)
+
+
+@dataclass(frozen=True)
+class StridedRows:
+    """vLLM 0.33's registration: NIXL >= 1.5 strided rows (addr, len, dev, stride, count), built directly.
+
+    ``_block_strided_descs``: an FA region is one row when its kernel blocks are back to back (stride == len,
+    so always with K and V packed), else one row per block; Mamba gets one row per (region, sub-projection)
+    with the page as stride.  Expanding every row gives the flat table of ``local_table``."""
+
+    rows: np.ndarray  # (N, 5) uint64
+    num_fa_rows: int
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def expanded(self) -> tuple[np.ndarray, np.ndarray]:
+        """(addr, length) of every descriptor the rows stand for, in id order."""
+        r = self.rows
+        counts = r[:, 4].astype(np.int64)
+        idx = np.repeat(np.arange(r.shape[0]), counts)
+        step = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        return r[idx, 0] + r[idx, 3] * step.astype(np.uint64), r[idx, 1]
+
+
+def strided_rows(side: SideLayout, bases: list[int], n_log: int, dev: int = 0) -> StridedRows:
+    b = np.asarray(bases, dtype=np.uint64)
+    kvd = side.profile.kv_descs_per_block
+    n_phys = n_log * side.physical_per_logical
+    kp = side.kernel_page_bytes
+    parts: list[np.ndarray] = []
+    n_fa = 0
+    if side.attention_groups:
+        ln = kp // kvd
+        offs = np.arange(kvd, dtype=np.uint64) * np.uint64(ln)
+        starts = (b[:, None] + offs[None, :]).reshape(-1)
+        if ln == kp:  # back to back: one row per region
+            fa = np.stack([starts, np.full_like(starts, ln), np.full_like(starts, dev), np.full_like(starts, kp),
+                           np.full_like(starts, n_phys)], axis=1)
+        else:  # one row per (region, block)
+            addr = _grid(b, offs, n_phys, kp)
+            fa = np.stack([addr, np.full_like(addr, ln), np.full_like(addr, dev), np.full_like(addr, ln),
+                           np.ones_like(addr)], axis=1)
+        parts.append(fa)
+        n_fa = fa.shape[0]
+    if side.mamba is not None and side.mamba_groups:
+        spans = [*side.mamba.conv.local_offsets(), (side.mamba.conv_bytes, side.mamba.ssm_bytes)]
+        mb = b[:side.num_ssm_slots]
+        starts = (mb[:, None] + np.asarray([o for o, _ in spans], dtype=np.uint64)[None, :]).reshape(-1)
+        lens = np.tile(np.asarray([ln for _, ln in spans], dtype=np.uint64), mb.shape[0])
+        parts.append(np.stack([starts, lens, np.full_like(starts, dev),
+                               np.full_like(starts, side.page_size_bytes), np.full_like(starts, n_log)], axis=1))
+    rows = np.concatenate(parts) if parts else np.zeros((0, 5), np.uint64)
+    return StridedRows(rows=rows, num_fa_rows=n_fa)
 
 
 def request_desc_ids(side: SideLayout, table: DescTable, block_ids: list[list[int]], *,
