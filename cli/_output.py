@@ -173,6 +173,8 @@ def key_value_lines(t: Table, width: int) -> list[str]:
             continue
         lines.append(f"  {head}")
         for h, c in zip(t.headers[k:], cells[k:], strict=True):
+            if not c.strip():
+                continue
             lines.extend(_wrap(c, width, f"    {h}: " if h else "    ", "        "))
     return lines
 

@@ -351,3 +351,21 @@ def test_fix_says_what_it_assumes_when_the_ssm_dtype_is_uncertain() -> None:
     assert chk["holds_for_all"] == 8320
     first = run("plan", "super-fp8", "--ptp", "1", "--dtp", "4").stdout.splitlines()[0]
     assert "--block-size 4224" in first and "with SSM float32 use --block-size 8320" in first
+
+
+def test_renderer_width_rules() -> None:
+    """The renderer's unit rules: numeric cells are atomic, columns never narrower than their widest
+    token, and a table that cannot fit unbroken folds into key/value lines that never break a token."""
+    from hybridpd_cli._output import Table, atomic, column_widths, key_value_lines
+
+    assert atomic("12,288 B (0.58%)") and atomic("36,864 + 2,097,152") and atomic("24576+1536")
+    assert atomic("697.1 µs") and atomic("3x6144 / 6144x3")
+    assert not atomic("bfloat16 / float32") and not atomic("pass --block-size 4176 to both")
+    # two columns: widest tokens 9 ("2,146,304") and 10; overhead 3*2+1 = 7 -> needs 26 columns
+    rows = [["2,146,304", "short text"], ["1", "abcdefghij x"]]
+    assert column_widths(["a", "b"], rows, 26) is not None
+    assert column_widths(["a", "b"], rows, 25) is None
+    t = Table(title="t", headers=["id", "value"], rows=[[NANO_FP8, "a long message " * 4]])
+    lines = key_value_lines(t, 20)
+    assert any(NANO_FP8 in ln for ln in lines)
+    assert all(len(ln) <= 20 or NANO_FP8 in ln for ln in lines)
