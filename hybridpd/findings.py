@@ -210,6 +210,8 @@ def _block_fix(ctx: Context) -> str:
 @rule
 def block_sizes(ctx: Context) -> Iterator[Finding]:
     p, d = ctx.p, ctx.d
+    if p.errors or d.errors:
+        return  # a side vLLM rejects on its own has no meaningful block size to compare (#16: nano --ptp 3)
     if not p.attention_groups or p.block_size == d.block_size:
         if p.attention_groups and p.kernel_block_size != d.kernel_block_size:
             yield Finding(severity=ERROR, code="kernel-block-mismatch",
@@ -362,7 +364,7 @@ def block_reason(ctx: Context) -> Iterator[Finding]:
 def block_fix_capacity(ctx: Context) -> Iterator[Finding]:
     """The recommended --block-size pads a side's Mamba page further: say how many blocks that costs (#16)."""
     rec = ctx.recommended_block
-    if not rec:
+    if not rec or ctx.p.errors or ctx.d.errors:
         return
     from dataclasses import replace
 

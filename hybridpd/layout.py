@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from . import dtypes
 from .errors import UsageError
 from .families import ATTENTION, MAMBA, ModelSpec
-from .mamba import MambaRankState
+from .mamba import MambaRankState, rank_channels
 from .profiles import KernelSizes, PlatformProfile, VllmProfile
 from .settings import EngineSettings
 
@@ -191,6 +191,7 @@ def side_layout(model: ModelSpec, s: EngineSettings, profile: VllmProfile, platf
                                ssm_dtype=dt.ssm, ssm_elem=dtypes.size_of(dt.ssm))
         try:
             _ = mamba.conv, mamba.heads
+            rank_channels(model.mamba, s.tp, 0)  # n_groups vs TP: MambaMixer2's assert, a finding not a crash (#16)
         except UsageError as e:
             errors.append(str(e))
             mamba = None
