@@ -78,6 +78,8 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
               help="Image with hybridpd for the plain target's proxy (built from the repository's Dockerfile).")
 @click.option("--sidecar-image", default=None, help="llm-d routing sidecar image (default: pinned release).")
 @click.option("--epp-image", default=None, help="llm-d endpoint picker image (default: pinned release).")
+@click.option("--gateway", default="inference-gateway", show_default=True,
+              help="Gateway the llm-d/lws HTTPRoute attaches to (--emit k8s).")
 @click.option("--grace", type=click.FloatRange(min=0), default=15.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping.")
 @click.option("--health-timeout", type=click.FloatRange(min=1), default=900.0, show_default=True,
@@ -146,7 +148,7 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
             target=kw["k8s_target"] or ("llm-d" if kw["llm_d"] else "plain"), name=kw["k8s_name"],
             namespace=kw["namespace"], image=kw["image"], proxy_image=kw["proxy_image"],
             sidecar_image=kw["sidecar_image"], epp_image=kw["epp_image"], model=kw["k8s_model"],
-            vllm_version=kw["vllm_version"], allow_errors=kw["force"]))
+            vllm_version=kw["vllm_version"], allow_errors=kw["force"], gateway=kw["gateway"]))
         for n in m.notes:
             hint(f"note: {n}")
         if kw["output"] == "-":

@@ -59,6 +59,7 @@ class K8sOptions:
     sidecar_image: str | None = None  # None: k8s_llmd.SIDECAR_IMAGE
     epp_image: str | None = None  # None: k8s_llmd.EPP_IMAGE
     model: str | None = None  # the model as pods see it; None: the plan's Hugging Face id
+    gateway: str = "inference-gateway"  # the Gateway the llm-d/lws HTTPRoute attaches to
     vllm_version: str | None = None  # what the user asked for (X.Y or X.Y.Z)
     allow_errors: bool = False  # emit despite a compatibility-key mismatch
 
@@ -71,6 +72,8 @@ class K8sOptions:
                              fix="use lower-case letters, digits and '-', e.g. nano-pd")
         if self.namespace is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.namespace):
             raise UsageError(f"{self.namespace!r} is not a valid namespace", field="--namespace")
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", self.gateway):
+            raise UsageError(f"{self.gateway!r} is not a valid Gateway name", field="--gateway")
         for fname, img in (("--image", self.image), ("--proxy-image", self.proxy_image),
                            ("--sidecar-image", self.sidecar_image), ("--epp-image", self.epp_image)):
             if img is not None:

@@ -17,7 +17,8 @@ Facts, each from the file named (read, not copied):
   only, silently); the config apiVersion is the Gateway API Inference Extension v1.5.0 one;
 - InferencePool ``inference.networking.k8s.io/v1`` (selector, targetPorts, endpointPickerRef,
   ``failureMode: FailOpen`` as in llm-d's router base values);
-- DisaggregatedSet ``disaggregatedset.x-k8s.io/v1``: kubernetes-sigs/lws CRD, roles prefill/decode.
+- DisaggregatedSet ``disaggregatedset.x-k8s.io/v1``: kubernetes-sigs/lws CRD, roles prefill/decode;
+- HTTPRoute from the Gateway to the pool: ``guides/pd-disaggregation/httproute.gke.yaml``.
 """
 
 from __future__ import annotations
@@ -170,6 +171,19 @@ def disaggregated_set(ctx: Ctx) -> dict[str, Any]:
             "spec": {"slices": 1, "roles": roles}}
 
 
+def http_route(ctx: Ctx, pool: str) -> dict[str, Any]:
+    """The route from the user's Gateway to the pool (guides/pd-disaggregation/httproute.*.yaml).
+
+    Its name has no compatibility key: applying the output of an upgrade moves this route to the new
+    pool, while the old pool and its pods keep serving until deleted.
+    """
+    return {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": ctx.meta(ctx.opts.name),
+            "spec": {"parentRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": ctx.opts.gateway}],
+                     "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                                "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                                 "name": pool, "weight": 1}]}]}}
+
+
 def build(ctx: Ctx) -> list[dict[str, Any]]:
     from .k8s import deployment
 
@@ -183,4 +197,5 @@ def build(ctx: Ctx) -> list[dict[str, Any]]:
     for pool, key in ctx.pools():
         docs.append(inference_pool(ctx, pool, key))
         docs += epp_objects(ctx, pool)
+    docs.append(http_route(ctx, ctx.pools()[0][0]))
     return docs

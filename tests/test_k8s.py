@@ -143,6 +143,20 @@ def test_epp_config_has_the_pd_plugins() -> None:
     assert spec["volumes"][0]["configMap"]["name"] == cm["metadata"]["name"]
 
 
+@pytest.mark.parametrize("target", ["llm-d", "lws"])
+def test_route_from_the_gateway_to_the_pool(target: str) -> None:
+    docs = docs_of(target, gateway="my-gateway")
+    route = next(d for d in docs if d["kind"] == "HTTPRoute")
+    pool = next(d for d in docs if d["kind"] == "InferencePool")
+    assert route["spec"]["parentRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "my-gateway"}]
+    ref = route["spec"]["rules"][0]["backendRefs"][0]
+    assert (ref["group"], ref["kind"], ref["name"]) == ("inference.networking.k8s.io", "InferencePool",
+                                                        pool["metadata"]["name"])
+    # a new release gets a new pool but the same route name: applying it moves the traffic
+    other = build_manifests(lp_for(version="0.32.3"), K8sOptions(target=target, vllm_version="0.32.3"))
+    assert next(d for d in other.docs if d["kind"] == "HTTPRoute")["metadata"]["name"] == route["metadata"]["name"]
+
+
 def test_llmd_target_runs_no_hybridpd_proxy() -> None:
     images = {c["image"] for t in pod_templates(docs_of("llm-d")).values() for c in t["spec"]["containers"]}
     assert not any("hybridpd" in i for i in images)
@@ -221,7 +235,8 @@ def test_pods_of_different_releases_never_share_a_pool() -> None:
         assert not all(t["metadata"]["labels"].get(k) == v for k, v in sel.items())
     names_a = {(d["kind"], d["metadata"]["name"]) for d in a}
     names_b = {(d["kind"], d["metadata"]["name"]) for d in b}
-    assert not names_a & names_b  # both can be applied side by side during the rollout
+    # both can be applied side by side during the rollout; only the route is shared (it moves to the new pool)
+    assert names_a & names_b == {("HTTPRoute", "hybridpd")}
 
 
 def test_compat_mismatch_refused_then_split_with_force() -> None:
@@ -298,7 +313,7 @@ def test_output_is_yaml_not_json() -> None:
     r = run([*ACCEPTANCE, "--target", "llm-d"])
     assert r.exit_code == 0, r.output
     chunks = [c for c in r.stdout.split("---\n") if c.strip()]
-    assert len(chunks) == len(list(yaml.safe_load_all(r.stdout))) == 9
+    assert len(chunks) == len(list(yaml.safe_load_all(r.stdout))) == 10
     for c in chunks:
         assert not c.lstrip().startswith("{")
         with pytest.raises(json.JSONDecodeError):
@@ -341,7 +356,7 @@ def test_write_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     kust = yaml.safe_load((out / "kustomization.yaml").read_text())
     assert kust["kind"] == "Kustomization" and kust["namespace"] == "llm"
     assert sorted(kust["resources"]) == sorted(p.name for p in out.iterdir() if p.name != "kustomization.yaml")
-    assert len(kust["resources"]) == 9
+    assert len(kust["resources"]) == 10
     assert not list(tmp_path.glob(".hybridpd-*"))
     # a non-empty directory is never written into; its files stay as they are
     before = {p.name: p.read_text() for p in out.iterdir()}

@@ -36,7 +36,8 @@ def _read(name: str) -> bytes:
 def crds() -> list[dict[str, Any]]:
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the LWS CRD is 1.5 MB
     return [yaml.load(_read(n), Loader=loader) for n in ("inference.networking.k8s.io_inferencepools.yaml",
-                                               "disaggregatedset.x-k8s.io_disaggregatedsets.yaml.gz")]
+                                                         "disaggregatedset.x-k8s.io_disaggregatedsets.yaml.gz",
+                                                         "gateway.networking.k8s.io_httproutes.yaml.gz")]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def emitted(target: str, model: str = "nano", ptp: int = 2, dtp: int = 2, **kw: 
 def test_vendored_schemas_match_their_sources() -> None:
     """Each vendored CRD is byte-identical to the git blob named in SOURCES.md."""
     rows = re.findall(r"^\| `([^`]+)` \|.*\| ([0-9a-f]{40}) \|$", (DATA / "SOURCES.md").read_text(), re.M)
-    assert len(rows) == 2
+    assert len(rows) == 3
     for name, blob in rows:
         raw = _read(name)
         assert hashlib.sha1(b"blob %d\0" % len(raw) + raw).hexdigest() == blob, name
@@ -71,9 +72,10 @@ def test_every_object_validates_strictly(target: str, case: tuple[Any, ...], crd
     assert validate_docs(docs, crds, k8s_version=K8S_VERSION, epp_schema=epp_schema) == []
     kinds = {d["kind"] for d in docs}
     want = {"plain": {"Deployment", "Service"},
-            "llm-d": {"Deployment", "Service", "InferencePool", "ConfigMap", "ServiceAccount", "Role", "RoleBinding"},
+            "llm-d": {"Deployment", "Service", "InferencePool", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
+                      "HTTPRoute"},
             "lws": {"DisaggregatedSet", "Deployment", "Service", "InferencePool", "ConfigMap", "ServiceAccount",
-                    "Role", "RoleBinding"}}[target]
+                    "Role", "RoleBinding", "HTTPRoute"}}[target]
     assert kinds == want
 
 
@@ -130,6 +132,8 @@ MUTATIONS = {
                                .pop("initContainers"), "no routing-proxy native sidecar"),
     "latest image": ("llm-d", lambda ds: _find(ds, "Deployment", "-decode")["spec"]["template"]["spec"]
                      ["initContainers"][0].update(image="ghcr.io/llm-d/llm-d-routing-sidecar:latest"), "not pinned"),
+    "route to a Service kind typo": ("llm-d", lambda ds: _find(ds, "HTTPRoute")["spec"]["rules"][0]["backendRefs"][0]
+                                     .update(namespace="Bad_NS"), "does not match"),
     "service selects nothing": ("plain", lambda ds: _find(ds, "Service", "-prefill")["spec"]["selector"]
                                 .update({"hybridpd.io/compat": "000000000000"}), "selects no pod"),
 }
