@@ -28,6 +28,13 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from hybridpd_cli.main import cli
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from hybridpd.diff import Variant, diff_to_dict, diff_variants
+from hybridpd.errors import HybridPDError
+from hybridpd.plan import build_plan
+from hybridpd.settings import EngineSettings
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "diff"
 CAL = str(GOLDEN / "calibration.json")  # c = 10 µs per descriptor, bw = 1e9 B/s
@@ -393,3 +400,59 @@ def test_diff_imports_neither_torch_nor_vllm() -> None:
     cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert cp.returncode == 0, cp.stderr
     assert cp.stdout.strip() == "[]"
+
+
+# ---- invariants (library level) ----------------------------------------------------------------------------------
+
+variant_args = st.fixed_dictionaries({
+    "version": st.sampled_from(["0.20", "0.24", "0.26", "0.28", "0.32", "0.33"]),
+    "ptp": st.sampled_from([1, 2, 4]), "dtp": st.sampled_from([1, 2, 4]),
+    "kv": st.sampled_from(["auto", "fp8"]), "block": st.sampled_from([None, 64, 128, 4176]),
+    "memory": st.sampled_from([None, 80 * 10**9]), "prefix": st.sampled_from([None, False]),
+})
+
+
+def _variant(model: str, v: dict[str, Any]) -> Variant:
+    common = dict(kv_cache_dtype=v["kv"], block_size=v["block"], gpu_memory=v["memory"],
+                  enable_prefix_caching=v["prefix"])
+    try:
+        plan = build_plan(model, prefill=EngineSettings(tp=v["ptp"], **common),  # type: ignore[arg-type]
+                          decode=EngineSettings(tp=v["dtp"], **common), vllm_version=v["version"],  # type: ignore[arg-type]
+                          isls=(1024, 8192))
+    except HybridPDError:
+        assume(False)
+        raise
+    return Variant(label=str(v), plan=plan)
+
+
+MODELS = st.sampled_from(["nano", "nano-fp8", "granite-tiny", "falcon-h1-0.5b", "super"])
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=MODELS, a=variant_args)
+def test_a_plan_diffed_with_itself_is_identical(model: str, a: dict[str, Any]) -> None:
+    va = _variant(model, a)
+    d = diff_variants(va, _variant(model, a))
+    assert d.identical and not d.changes and d.pairing.hash_matches and not d.b_introduces_error
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=MODELS, a=variant_args, b=variant_args)
+def test_diff_is_antisymmetric(model: str, a: dict[str, Any], b: dict[str, Any]) -> None:
+    va, vb = _variant(model, a), _variant(model, b)
+    ab, ba = diff_to_dict(diff_variants(va, vb)), diff_to_dict(diff_variants(vb, va))
+    swap = {(c["section"], c["scope"], c["field"]): (c["b"], c["a"]) for c in ba["changes"]}
+    assert {(c["section"], c["scope"], c["field"]): (c["a"], c["b"]) for c in ab["changes"]} == swap
+    assert ab["findings"]["added"] == ba["findings"]["removed"]
+    assert ab["findings"]["removed"] == ba["findings"]["added"]
+    assert sorted(ab["pairing"]["differing"]) == sorted(ba["pairing"]["differing"])
+    assert ab["identical"] == ba["identical"]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=MODELS, a=variant_args, dtp=st.sampled_from([1, 2, 4, 8]))
+def test_a_decode_only_change_never_shows_on_prefill(model: str, a: dict[str, Any], dtp: int) -> None:
+    va, vb = _variant(model, a), _variant(model, {**a, "dtp": dtp})
+    d = diff_variants(va, vb)
+    assert not [c for c in d.changes if c.scope == "prefill"]
+    assert d.pairing.hash_matches
