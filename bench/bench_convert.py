@@ -6,7 +6,7 @@ processes, the order rotating each repeat, with a sync and a pause before each r
 
 - ``copy``: shutil.copyfile (kernel copy_file_range) + fsync, the floor for any file-to-file tool;
 - ``convert SD->DS``: the real CLI (``hybridpd convert ... --to DS --model nano``), fsync included,
-  with each ``--checksum`` (crc32, the default; sha256; none);
+  with each ``--checksum`` (xxh3, the default; crc32; sha256; none);
 - ``torch memcpy``: ``dst.copy_(src)`` of the same bytes already in RAM (memory bandwidth);
 - with ``--device cuda``: the CLI with ``--device cuda``, and the GPU section below.
 
@@ -246,7 +246,8 @@ def main() -> None:
         conv = [*cli, str(src), str(dst), "--to", "DS", "--model", MODEL, "--json", "--no-progress"]
         ops: list[tuple[str, list[str]]] = [
             ("plain file copy (copy_file_range + fsync)", [py, "-c", COPY, str(src), str(dst)]),
-            ("convert SD->DS (default: crc32)", conv),
+            ("convert SD->DS (default: xxh3)", conv),
+            ("convert SD->DS --checksum crc32", [*conv, "--checksum", "crc32"]),
             ("convert SD->DS --checksum sha256", [*conv, "--checksum", "sha256"]),
             ("convert SD->DS --checksum none", [*conv, "--checksum", "none"])]
         if a.device.startswith("cuda"):

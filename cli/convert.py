@@ -51,7 +51,7 @@ _MAX_ROWS = 40
                    "exit 1 at the first mismatch.")
 @click.option("--force", is_flag=True, help="Overwrite existing outputs (never the input).")
 @click.option("--device", default="cpu", show_default=True, help="Where the transposes run: cpu, cuda or cuda:N.")
-@click.option("--checksum", type=click.Choice(["crc32", "sha256", "none"]), default="crc32", show_default=True,
+@click.option("--checksum", type=click.Choice(["xxh3", "crc32", "sha256", "none"]), default="xxh3", show_default=True,
               help="Checksum of every input's and output's tensor data, in --json and the output's metadata "
                    "(sha256 for content identity; costs more CPU).")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when a terminal).")

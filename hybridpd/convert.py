@@ -65,7 +65,7 @@ class ConvertOptions:
     tp_merge: bool = False
     force: bool = False
     device: str = "cpu"
-    checksum: str = "crc32"  # crc32 | sha256 | none: of every input and output data section
+    checksum: str = "xxh3"  # xxh3 | crc32 | sha256 | none: of every input and output data section
     allow_network: bool = False
     chunk_bytes: int = DEFAULT_CHUNK
 

@@ -19,6 +19,7 @@ from test_convert_support import (
     conv_ds,
     data_crc,
     data_sha,
+    data_xxh3,
     file_sha,
     geo,
     header,
@@ -171,28 +172,29 @@ def test_sd_to_ds_with_model(tmp_path: Path, dtype: torch.dtype) -> None:
     assert json.loads(m["hybridpd.conv_tensors"]) == ["model.layers.0.mixer.conv_state",
                                                       "model.layers.2.mixer.conv_state", "stacked_conv_states"]
     assert json.loads(m["hybridpd.ssm_tensors"]) == ["model.layers.0.mixer.ssm_state"]
-    assert m["hybridpd.source_checksum"] == "crc32:" + data_crc(src)  # the default checksum
+    assert m["hybridpd.source_checksum"] == "xxh3:" + data_xxh3(src)  # the default checksum
     d = s.to_dict()
     assert d["tensors_converted"] == 3 and d["conv_tensors"] == 3 and d["ssm_tensors"] == 1
     assert d["layout_before"] == ["SD"] and d["layout_after"] == "DS"
-    assert d["checksums"] == {str(src): "crc32:" + data_crc(src),
-                              str(tmp_path / "ds.safetensors"): "crc32:" + data_crc(tmp_path / "ds.safetensors")}
+    assert d["checksums"] == {str(src): "xxh3:" + data_xxh3(src),
+                              str(tmp_path / "ds.safetensors"): "xxh3:" + data_xxh3(tmp_path / "ds.safetensors")}
     assert d["bytes_read"] == read_header(src).data_bytes
 
 
-@pytest.mark.parametrize("algo", ["crc32", "sha256", "none"])
+@pytest.mark.parametrize("algo", ["xxh3", "crc32", "sha256", "none"])
 def test_checksum_algorithms(tmp_path: Path, algo: str) -> None:
     src = tmp_path / "a.safetensors"
     state_file(src)
     out = tmp_path / "o.safetensors"
     d = convert(src, out, ConvertOptions(to="DS", geometry=geo(NEMOH), checksum=algo)).to_dict()
-    want = {"crc32": lambda p: "crc32:" + data_crc(p), "sha256": lambda p: "sha256:" + data_sha(p)}.get(algo)
+    want = {"crc32": lambda p: "crc32:" + data_crc(p), "sha256": lambda p: "sha256:" + data_sha(p),
+            "xxh3": lambda p: "xxh3:" + data_xxh3(p)}.get(algo)
     if want is None:
         assert d["checksums"] == {} and "hybridpd.source_checksum" not in meta(out)
     else:
         assert d["checksums"] == {str(src): want(src), str(out): want(out)}
         assert meta(out)["hybridpd.source_checksum"] == want(src)
-    with pytest.raises(UsageError, match="crc32, sha256 or none"):
+    with pytest.raises(UsageError, match="xxh3, crc32, sha256 or none"):
         convert(src, tmp_path / "x.safetensors", ConvertOptions(to="DS", geometry=geo(NEMOH), checksum="md5"))
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from hybridpd_cli.main import main
-from test_convert_support import data_crc, data_sha, load, meta, rand, save
+from test_convert_support import data_sha, data_xxh3, load, meta, rand, save
 
 SUMMARY_KEYS = {"operation", "ok", "to", "layout_before", "layout_after", "model", "device", "tensors_total",
                 "tensors_converted", "conv_tensors", "ssm_tensors", "bytes_read", "bytes_written", "seconds",
@@ -57,7 +57,7 @@ def test_json_summary_has_stable_keys(capsys: pytest.CaptureFixture[str], tmp_pa
     assert all(set(t) == TENSOR_KEYS for t in d["tensors"])
     assert (d["operation"], d["ok"], d["layout_before"], d["layout_after"]) == ("convert", True, ["SD"], "DS")
     assert (d["tensors_total"], d["tensors_converted"], d["conv_tensors"], d["ssm_tensors"]) == (3, 1, 1, 1)
-    assert d["checksums"][str(state)] == "crc32:" + data_crc(state)
+    assert d["checksums"][str(state)] == "xxh3:" + data_xxh3(state)
     assert isinstance(d["bytes_read"], int) and d["bytes_read"] > 0
     code, out, _ = cli(capsys, str(tmp_path / "ds.safetensors"), str(tmp_path / "shards"), "--to", "DS",
                        "--tp-split", "2", "--json")  # dims come from the metadata the first run recorded

@@ -71,6 +71,14 @@ def data_sha(path: Path) -> str:
     return hashlib.sha256(raw[8 + n:]).hexdigest()
 
 
+def data_xxh3(path: Path) -> str:
+    import xxhash
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return xxhash.xxh3_64(raw[8 + n:]).hexdigest()
+
+
 def data_crc(path: Path) -> str:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
