@@ -250,7 +250,8 @@ def facts(v: Variant) -> dict[Key, Value]:
             ("tokens_transferred", t.tokens_transferred), ("logical_blocks", t.logical_blocks), ("bytes", t.bytes),
             ("fa_bytes", t.fa_bytes), ("mamba_bytes", t.mamba_bytes), ("naive_bytes", t.naive_bytes),
             ("descriptors", t.descriptors), ("descriptors_min", t.descriptors_min),
-            ("descriptors_per_rank", [r.descriptors for r in t.per_rank]), ("reads", t.reads),
+            ("descriptors_per_rank", [r.descriptors for r in t.per_rank]),
+            ("bytes_per_rank", [r.bytes for r in t.per_rank]), ("reads", t.reads),
             ("est_request_s", est.request_s if est else None))
         for k, val in vals:
             out[("transfer", t.isl, k)] = val
@@ -348,6 +349,10 @@ def _tokens(s: SideLayout) -> int | None:
     return s.num_blocks * s.block_size if s.num_blocks is not None and s.attention_groups else None
 
 
+def _pct(a: int | None, b: int | None) -> float | None:
+    return None if (a is None or b is None or a == 0) else round(100.0 * (b - a) / a, 4)
+
+
 def capacity(d: PlanDiff) -> dict[str, Any]:
     """Blocks and tokens that fit per rank, per role, with the change in % (None where no memory is given)."""
     out: dict[str, Any] = {}
@@ -355,9 +360,9 @@ def capacity(d: PlanDiff) -> dict[str, Any]:
         sa = getattr(d.a.plan, role)
         sb = getattr(d.b.plan, role)
         na, nb = sa.num_blocks, sb.num_blocks
-        pct = None if (na is None or nb is None or na == 0) else round(100.0 * (nb - na) / na, 4)
-        out[role] = {"blocks_a": na, "blocks_b": nb, "blocks_change_pct": pct, "tokens_a": _tokens(sa),
-                     "tokens_b": _tokens(sb)}
+        ta, tb = _tokens(sa), _tokens(sb)
+        out[role] = {"blocks_a": na, "blocks_b": nb, "blocks_change_pct": _pct(na, nb), "tokens_a": ta,
+                     "tokens_b": tb, "tokens_change_pct": _pct(ta, tb)}
     return out
 
 

@@ -213,6 +213,10 @@ def test_tp2_to_tp4_block_size_and_divisibility_error() -> None:
     # 2 D ranks -> 4, each reading L = cdiv(1023, P block 4176) = 1 block from one P rank
     assert c[("transfer", 1024, "descriptors")] == (2 * descs(1, 1, 1), 4 * descs(1, 1, 1)) == (204, 408)
     assert c[("transfer", 1024, "reads")] == (2, 4)
+    # per D rank: T*L FA descriptors of D's kernel page + T*G Mamba states of D's size
+    per_a, per_b = T * 4176 * 256 + T * G * MAMBA_TP2, T * 2096 * 256 + T * G * MAMBA_TP4
+    assert c[("transfer", 1024, "bytes_per_rank")] == ([per_a] * 2, [per_b] * 4)
+    assert per_a == 32_022_528
     assert d["a"]["error_codes"] == [] and d["b"]["error_codes"] == ["block-not-divisible"]
     assert "block-not-divisible" in codes(d["findings"]["added"])
     assert d["b_introduces_error"] is True
