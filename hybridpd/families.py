@@ -95,7 +95,7 @@ CONV_KERNEL = (2, 1 << 10)  # vLLM's conv state keeps conv_kernel - 1 columns: 1
 EXPAND = (1, 64)
 POSITIONS = (1, 1 << 30)
 CHUNK = (1, 1 << 20)
-_WHY = {CONV_KERNEL: " (vLLM keeps conv_kernel - 1 columns of conv state, so 1 leaves the state empty)"}
+_WHY = {CONV_KERNEL: " (vLLM keeps {key} - 1 columns of conv state, so 1 leaves the state empty)"}
 
 
 def _show(val: Any) -> str:
@@ -128,7 +128,7 @@ class _Cfg:
                     raise ConfigError(f"{k} must be an integer, got {_show(val)}", field=k,
                                       fix=f"set {k} to an integer in {lo}..{hi}")
                 if not lo <= val <= hi:
-                    raise ConfigError(f"{k} must be in {lo}..{hi}, got {_show(val)}{_WHY.get(bounds, '')}", field=k,
+                    raise ConfigError(f"{k} must be in {lo}..{hi}, got {_show(val)}{_WHY.get(bounds, '').format(key=k)}", field=k,
                                       fix=f"set {k} to an integer in {lo}..{hi}")
                 return val
         if default is None:

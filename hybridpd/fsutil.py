@@ -85,47 +85,93 @@ def read_bounded(path: str | Path, *, field: str, limit: int = MAX_CONFIG_BYTES)
     return b"".join(chunks)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
+class NotANumber(str):
+    """A number JSON cannot carry (NaN, Infinity, 1e999, an integer over 4,300 digits), kept as text under its key.
+
+    Python's json (and so transformers) accepts such values; a reader that needs a number refuses it and names
+    its key, and a key nobody reads stays harmless. It serialises as a plain string, never as NaN/Infinity.
+    """
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
-def _finite_float(text: str) -> float:
+def _constant(name: str) -> NotANumber:
+    return NotANumber(name)
+
+
+def _float(text: str) -> float | NotANumber:
     v = float(text)
-    if not math.isfinite(v):
-        raise ValueError(f"number {text[:20]} is out of range")
-    return v
+    return v if math.isfinite(v) else NotANumber(text[:20] + ("..." if len(text) > 20 else ""))
 
 
-def _depth_ok(data: Any, limit: int) -> bool:
-    stack: list[tuple[Any, int]] = [(data, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return False
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
-    return True
+def _int(text: str) -> int | NotANumber:
+    if len(text.lstrip("-")) > 30:  # beyond any config value, and below Python's 4,300-digit limit
+        return NotANumber(f"{text[:6]}...({len(text.lstrip('-'))} digits)")
+    return int(text)
+
+
+def _deepest_key(data: Any, limit: int) -> str | None:
+    """The top-level key whose value nests beyond ``limit`` levels ('' for the document itself), else None."""
+    items = list(data.items()) if isinstance(data, dict) else [("", data)]
+    for key, val in items:
+        stack: list[tuple[Any, int]] = [(val, 2 if isinstance(data, dict) else 1)]
+        while stack:
+            node, depth = stack.pop()
+            if depth > limit:
+                return str(key)
+            if isinstance(node, dict):
+                stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
+            elif isinstance(node, list):
+                stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
+    return None
+
+
+def _deep_key_in_text(text: str, limit: int) -> str | None:
+    """After a RecursionError: the top-level key being read when nesting passed ``limit`` (a bounded scan)."""
+    depth, in_str, esc, start, last = 0, False, False, 0, None
+    for i, ch in enumerate(text[: 4 << 20]):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+                if depth == 1:
+                    last = text[start:i]
+        elif ch == '"':
+            in_str, start = True, i + 1
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return last
+        elif ch in "]}":
+            depth -= 1
+    return None
+
+
+def _too_deep(where: str, key: str | None, field: str, fix: str) -> ConfigError:
+    what = f"{key[:60]} nests" if key else "nests"
+    return ConfigError(f"{where}: {what} deeper than {MAX_JSON_DEPTH} levels", field=field, fix=fix)
 
 
 def parse_json_bytes(raw: bytes, *, where: str, field: str, fix: str = "repair the file") -> Any:
-    """Strict JSON from bytes: UTF-8, no NaN/Infinity, no overflowing floats, at most MAX_JSON_DEPTH levels."""
+    """JSON from bytes: UTF-8, at most MAX_JSON_DEPTH levels; NaN, Infinity, 1e999 and integers of more than 30
+    digits come back as ``NotANumber`` text under their key, so that the reader of that key names it."""
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{where} is not UTF-8 text (bad byte at offset {e.start})", field=field, fix=fix) from None
     try:
-        data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        data = json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=_int)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{where} is not valid JSON (line {e.lineno}: {e.msg})", field=field, fix=fix) from None
     except RecursionError:
-        raise ConfigError(f"{where} nests deeper than {MAX_JSON_DEPTH} levels", field=field, fix=fix) from None
-    except ValueError as e:  # NaN/Infinity, 1e999, integers over Python's digit limit
-        msg = str(e).split(";")[0]
-        raise ConfigError(f"{where} is not valid JSON ({msg})", field=field, fix=fix) from None
-    if not _depth_ok(data, MAX_JSON_DEPTH):
-        raise ConfigError(f"{where} nests deeper than {MAX_JSON_DEPTH} levels", field=field, fix=fix)
+        raise _too_deep(where, _deep_key_in_text(text, MAX_JSON_DEPTH), field, fix) from None
+    deep = _deepest_key(data, MAX_JSON_DEPTH)
+    if deep is not None:
+        raise _too_deep(where, deep, field, fix)
     return data
 
 
