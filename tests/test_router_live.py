@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -132,7 +133,13 @@ def test_real_pd_output_through_vllm_router_equals_hybridpd_proxy(real_pd: tuple
     ours = complete(pd.proxy_url, body, stream=stream)
     theirs = complete(router_url, body, stream=stream)
     assert len(ours[0]) == 8
-    assert theirs == ours
+    assert theirs[0] == ours[0]  # token ids: identical
+    if stream:  # both relay D's SSE bytes: identical logprobs
+        assert theirs[1] == ours[1]
+    else:
+        # vllm-router 0.1.17 re-serializes D's non-streamed JSON, and its float parsing is not correctly rounded:
+        # logprobs come back up to 1 ulp off (-3.6712887287139893 -> ...897 seen). hybridpd relays D's bytes.
+        assert all(abs(a - b) <= 2 * math.ulp(a) for a, b in zip(ours[1], theirs[1], strict=True))
 
 
 def test_verify_judges_the_deployment_the_same_through_either_router(real_pd: tuple[Path, PD, str]) -> None:
