@@ -232,10 +232,17 @@ def preface(data: dict[str, Any]) -> list[str]:
         dt += f", conv state {p['conv_dtype']}, SSM state {p['ssm_dtype']}"
     why = [f["message"] for f in data["findings"] if f["code"] == "dtype"]
     lines = [dt + (f" ({'; '.join(why)})" if why else "")]
+    prefix = "bundled config is incomplete; not found upstream: "
     for f in data["findings"]:
-        if f["code"] == "model-config":
-            lines.append("Assumed: " + f["message"].replace("bundled config is incomplete; not found upstream: ",
-                                                            "(bundled config) "))
+        if f["code"] != "model-config":
+            continue
+        msg = f["message"]
+        if msg.startswith(prefix):  # keep the items that change the plan (they say what was assumed)
+            parts = [x for x in msg[len(prefix):].split("; the ") if "assum" in x]
+            if parts:
+                lines.append("Assumed (bundled config): " + "; the ".join(parts))
+        elif "assum" in msg:
+            lines.append(f"Assumed: {msg}")
     return lines
 
 

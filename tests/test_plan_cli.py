@@ -131,6 +131,9 @@ def test_verdict_is_the_first_line_and_names_the_fp8_fix() -> None:
     # the fix is checked against the other plausible KV dtype (bf16: P 2096 / D 1056, so 4176 holds too)
     assert "also right for KV bfloat16" in first
     assert "2096 to both" not in r.stdout
+    # what the bundled config could not say is stated at the top, before any table
+    top = r.stdout.split("\n\n")[0]
+    assert "Assumed (bundled config)" in top and "KV cache assumed FP8" in top and "SSM state assumed float32" in top
 
 
 @pytest.mark.parametrize("tp,block", [(1, 4176), (2, 4176), (4, 2096), (8, 1056)])
