@@ -155,3 +155,28 @@ def test_max_model_len_prompt_is_refused() -> None:
     with pytest.raises(UsageError, match="max_model_len"):
         build_plan("nano", prefill=s, decode=s, isls=(4096,))
     assert build_plan("nano", prefill=s, decode=s, isls=(4095,)).transfers[0].isl == 4095
+
+
+def test_vllm_version_help_lists_releases_and_completes() -> None:
+    from click.shell_completion import ShellComplete
+    from click.testing import CliRunner
+    from hybridpd_cli.main import cli
+
+    out = CliRunner().invoke(cli, ["plan", "--help"], terminal_width=200).output
+    assert "0.20, 0.21, 0.22, 0.23, 0.24, 0.25, 0.26, 0.27, 0.28, 0.29, 0.30, 0.31, 0.32, 0.33" in " ".join(out.split())
+    comp = ShellComplete(cli, {}, "hybridpd", "_HYBRIDPD_COMPLETE")
+    got = [c.value for c in comp.get_completions(["plan", "nano", "--vllm-version"], "0.3")]
+    assert got == ["0.30", "0.31", "0.32", "0.33"]
+
+
+def test_plan_json_names_the_release_and_how_it_was_chosen() -> None:
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "hybridpd_cli.main", "plan", "nano", "--vllm-version", "0.34.1", "--json"],
+                       capture_output=True, text=True, timeout=60)
+    data = json.loads(r.stdout)
+    assert data["vllm"] == {"version": "0.34.1", "profile": "0.33", "source": "--vllm-version", "verified": False,
+                            "newest_verified": "0.33.0"}
+    assert any(f["code"] == "unverified-version" for f in data["findings"])
