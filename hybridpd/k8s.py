@@ -68,7 +68,7 @@ class K8sOptions:
             raise UsageError(f"unknown target {self.target!r}", field="--target", fix=f"use one of {', '.join(TARGETS)}")
         if not re.fullmatch(r"[a-z]([-a-z0-9]{0,28}[a-z0-9])?", self.name):
             raise UsageError(f"{self.name!r} is not a DNS label of at most 30 characters starting with a letter",
-                             field="--name",
+                             field="--k8s-name",
                              fix="use lower-case letters, digits and '-', e.g. nano-pd")
         if self.namespace is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.namespace):
             raise UsageError(f"{self.namespace!r} is not a valid namespace", field="--namespace")
@@ -131,6 +131,11 @@ def resolve_release(version: str | None, entry_version: str | None, checked: tup
             m = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)", text.strip())
             if m:
                 return f"{m.group(1)}.{m.group(2)}.{m.group(3)}", None
+    m = re.fullmatch(r"v?(\d+)\.(\d+)(?:[.+\-~a-z].*)?", (version or "").strip())
+    if m and (int(m.group(1)), int(m.group(2))) != checked[:2]:
+        rel = f"{m.group(1)}.{m.group(2)}.0"  # a release newer than every profile: its own X.Y.0, not the profile's
+        return rel, (f"image pinned to {VLLM_IMAGE_REPO}:v{rel}; pass --vllm-version X.Y.Z or --image if your "
+                     "release differs")
     rel = ".".join(map(str, checked))
     return rel, (f"image pinned to {VLLM_IMAGE_REPO}:v{rel}, the release hybridpd checked this profile against; "
                  "pass --vllm-version X.Y.Z or --image for another")

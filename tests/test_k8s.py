@@ -216,6 +216,8 @@ def test_release_resolution() -> None:
     assert m.image == "vllm/vllm-openai:v0.32.0" and any("hybridpd checked this profile against" in n for n in m.notes)
     m = build_manifests(lp_for(version="0.32.3"), K8sOptions(vllm_version="0.32.3"))
     assert m.image == "vllm/vllm-openai:v0.32.3" and not m.notes
+    m = build_manifests(lp_for(version="0.35"), K8sOptions(vllm_version="0.35"))  # newer than every profile
+    assert m.image == "vllm/vllm-openai:v0.35.0"
     m = build_manifests(lp_for(), K8sOptions(image="registry.example/vllm:v0.32.0-cu13"))
     assert m.image == "registry.example/vllm:v0.32.0-cu13"
     for bad in ("vllm/vllm-openai:latest", "vllm/vllm-openai", "localhost:5000/vllm"):
@@ -301,7 +303,7 @@ def test_bad_options_are_usage_errors() -> None:
             K8sOptions(**kw)
 def test_bad_cli_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_main([*ACCEPTANCE, "--k8s-name", "Bad_Name"], capsys)
-    assert code == 2 and out == "" and "--name" in err and "Traceback" not in err
+    assert code == 2 and out == "" and "--k8s-name" in err and "Traceback" not in err
     code, out, err = run_main([*ACCEPTANCE, "--image", "vllm/vllm-openai:latest"], capsys)
     assert code == 2 and "--image" in err and "not pinned" in err
 
