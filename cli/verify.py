@@ -12,8 +12,11 @@ from ._output import Report, Table, emit_json, emit_report, hint, output_options
 
 
 @click.command()
-@click.argument("model", type=ModelArg())
+@click.argument("model", type=ModelArg(), required=False, default=None)
 @engine_options
+@click.option("--deployment", "deployment_file", default=None, metavar="FILE",
+              help="Live mode against what `hybridpd serve` recorded: its model, release, platform, engine settings "
+                   "and URLs (engine options given here override the record, with a note).")
 @click.option("--rehearse", is_flag=True, help="Rehearse the transfer in real memory with NIXL (no GPU, no vLLM).")
 @click.option("--isl", type=click.IntRange(min=1), default=None,
               help="Request length in tokens (rehearsal default: 1.5 blocks; live default: 1.5 blocks).")
@@ -37,7 +40,8 @@ from ._output import Report, Table, emit_json, emit_report, hint, output_options
 @click.option("--passive", is_flag=True, help="Live mode: no probes; diff counters over --window seconds.")
 @click.option("--window", type=click.FloatRange(min=0.1), default=60.0, show_default=True)
 @output_options
-def verify(model: str, rehearse: bool, isl: int | None, seed: int, inject: str | None, inject_rank: int,
+def verify(model: str | None, deployment_file: str | None, rehearse: bool, isl: int | None, seed: int,
+           inject: str | None, inject_rank: int,
            device: str, transport: str, max_rank_bytes: int, decode_url: str | None, prefill_url: str | None,
            proxy_url: str | None, served_model_name: str | None, prompt_tokens: bool, passive: bool,
            window: float, as_json: bool, fmt: str | None, **kw: Any) -> None:
@@ -55,12 +59,36 @@ def verify(model: str, rehearse: bool, isl: int | None, seed: int, inject: str |
       hybridpd verify MODEL --ptp 1 --dtp 1 --decode http://d:8200 --prefill http://p:8100
       hybridpd verify MODEL --decode http://d:8200 --proxy http://proxy:8000 --prompt-tokens
       hybridpd verify MODEL --decode http://d:8200 --passive --window 60
+      hybridpd verify --deployment ~/.local/state/hybridpd/deployment-all-8000.json
     Exit 1 on any mismatch, 2 on a refused combination.
     """
     from hybridpd.errors import UsageError
     from hybridpd.plan import build_plan
 
-    p, d = settings_from(kw)
+    if deployment_file:
+        if rehearse:
+            raise UsageError("--deployment checks a running deployment; it cannot be combined with --rehearse",
+                             field="--deployment")
+        from hybridpd.deployment import load
+
+        dep = load(deployment_file)
+        if model is not None and model != dep.model and model != dep.served_model_name:
+            raise UsageError(f"MODEL {model!r} is not the deployment's model {dep.model!r}", field="MODEL",
+                             fix="leave MODEL out with --deployment")
+        model = dep.model
+        p, d = deployment_settings(kw, dep)
+        decode_url = decode_url or (dep.decode_urls[0] if dep.decode_urls else None)
+        if not (prefill_url or proxy_url):
+            proxy_url = dep.proxy_url
+            prefill_url = None if proxy_url else (dep.prefill_urls[0] if dep.prefill_urls else None)
+        served_model_name = served_model_name or dep.served_model_name
+        prompt_tokens = True  # exact lengths: the probes sit on block boundaries
+        if dep.state != "running":
+            hint(f"warning: {deployment_file} says the deployment is {dep.state!r}")
+    elif model is None:
+        raise UsageError("missing MODEL", field="MODEL", fix="give MODEL, or --deployment FILE written by serve")
+    else:
+        p, d = settings_from(kw)
     plan = build_plan(model, prefill=p, decode=d, vllm_version=target_from(kw), platform=kw["platform"],
                       allow_network=kw["allow_network"])
     out = resolve_format(as_json, fmt)
@@ -87,6 +115,42 @@ def verify(model: str, rehearse: bool, isl: int | None, seed: int, inject: str |
         emit_report(render(data), out)
     if not data["ok"]:
         raise SystemExit(1)
+
+
+_SIDE_OPTS = {"ptp": ("tp", "prefill"), "dtp": ("tp", "decode"), "block_size": ("block_size", "both"),
+              "p_block_size": ("block_size", "prefill"), "d_block_size": ("block_size", "decode")}
+
+
+def deployment_settings(kw: dict[str, Any], dep: Any) -> tuple[Any, Any]:
+    """P and D settings of the record; an engine option given on the command line overrides it (with a note).
+    Sets kw's --vllm-version and --platform to the record's."""
+    import dataclasses
+
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    given = {k for k in kw if ctx.get_parameter_source(k) not in (None, ParameterSource.DEFAULT)}
+    for k in ("vllm_version", "platform"):
+        if k in given and str(kw[k]) != str(getattr(dep, k)):
+            hint(f"note: --{k.replace('_', '-')} {kw[k]} overrides the deployment's {getattr(dep, k)}")
+        elif k not in given:
+            kw[k] = getattr(dep, k)
+    cli_p, cli_d = settings_from(kw)
+    p, d = dep.prefill, dep.decode
+    fields = {f.name for f in dataclasses.fields(p)}
+    for k in sorted(given):
+        if k in _SIDE_OPTS:
+            name, side = _SIDE_OPTS[k]
+        elif k in fields:
+            name, side = k, "both"
+        else:
+            continue
+        if side in ("prefill", "both"):
+            p = dataclasses.replace(p, **{name: getattr(cli_p, name)})
+        if side in ("decode", "both"):
+            d = dataclasses.replace(d, **{name: getattr(cli_d, name)})
+        hint(f"note: --{k.replace('_', '-')} {kw[k]} overrides the deployment record")
+    return p, d
 
 
 def _rehearse(plan: Any, num_blocks: int | None, isl: int | None, seed: int, inject: str | None,
@@ -164,6 +228,9 @@ def render_live(data: dict[str, Any]) -> Report:
                                          "READs", "verdict"], rows=rows))
         for p in data["probes"]:
             rep.notes.extend(f"ISL {p['isl']}: {m}" for m in p["mismatches"])
+        if data.get("block_sizes_not_told_apart"):
+            rep.notes.append(f"these probes cannot tell block size {data['block_size']} from "
+                             f"{', '.join(map(str, data['block_sizes_not_told_apart']))}")
     else:
         rep.tables.append(Table(title=f"Passive window {data['window_s']} s (approximate)",
                                 headers=["requests", "expected B (min..max)", "moved B", "verdict"],

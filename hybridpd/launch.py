@@ -132,6 +132,10 @@ class LaunchOptions:
     proxy_policy: str = "round_robin"
     proxy_command: tuple[str, ...] | None = None  # None = python -m hybridpd.proxy
     proxy_python: str | None = None
+    router: str = "hybridpd"  # or "vllm-router" (hybridpd.proxy.router)
+    router_executable: str | None = None  # vllm-router binary; None = found by hybridpd.proxy.router
+    proxy_args: tuple[str, ...] = ()  # appended to the hybridpd proxy's argv (timeouts: serve --prefill-timeout ...)
+    kv_extra_config: tuple[tuple[str, Any], ...] = ()  # kv_connector_extra_config of P and D (kv_lease_duration)
     auto_block_size: bool = False  # apply plan.recommended_block_size to both sides
     allow_errors: bool = False  # --force: launch despite error findings
 
@@ -359,6 +363,13 @@ def _cpu_bind(cores: tuple[int, ...], tp: int, per_rank: int) -> str:
 
 
 def proxy_argv(opts: LaunchOptions, prefill_urls: Sequence[str], decode_urls: Sequence[str]) -> list[str]:
+    if opts.router != "hybridpd":  # --router vllm-router: same P and D URLs, argv from hybridpd.proxy.router
+        from .proxy.router import check_router, find_vllm_router, vllm_router_argv
+
+        check_router(opts.router)
+        exe = opts.router_executable or find_vllm_router(vllm_python=opts.proxy_python)
+        return vllm_router_argv(exe, host=opts.host, port=opts.proxy_port, prefill_urls=prefill_urls,
+                                decode_urls=decode_urls, policy=opts.proxy_policy)
     prefix = list(opts.proxy_command) if opts.proxy_command else [opts.proxy_python or sys.executable, "-m",
                                                                     "hybridpd.proxy"]
     argv = [*prefix, "--host", opts.host, "--port", str(opts.proxy_port), "--policy", opts.proxy_policy]
@@ -366,7 +377,7 @@ def proxy_argv(opts: LaunchOptions, prefill_urls: Sequence[str], decode_urls: Se
         argv += ["--prefill", u]
     for u in decode_urls:
         argv += ["--decode", u]
-    return argv
+    return argv + list(opts.proxy_args)
 
 
 def launch_target(vllm_version: str | None, entry: VllmEntry) -> tuple[Target, str | None]:
@@ -442,6 +453,8 @@ def build_launch_plan(model: str, *, prefill: EngineSettings, decode: EngineSett
         kvt: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": kv_role}
         if cpu:
             kvt["kv_buffer_device"] = "cpu"
+        if options.kv_extra_config:
+            kvt["kv_connector_extra_config"] = dict(options.kv_extra_config)
         max_len = s.max_model_len
         if max_len is None and spec.max_position_embeddings:
             max_len = min(spec.max_position_embeddings, 4096) if cpu else spec.max_position_embeddings

@@ -67,11 +67,59 @@ def run_probe(decode_url: str, other_url: str, plan: Any, isl: int, model_name: 
     return res
 
 
-def default_isls(plan: Any) -> list[int]:
-    """1.5 and 3 blocks (+1), kept within max-model-len (room left for the generated token)."""
+def _padded(tokens: int, block: int) -> int:
+    return -(-tokens // block) * block
+
+
+def confusable_block_sizes(block: int) -> list[int]:
+    """Block sizes a deployment might run instead of the planned one: every multiple of 16 up to 4x the planned
+    size, plus half and double (vLLM's kernels take multiples of 16; hybrid alignment can give any of them)."""
+    out = set(range(16, 4 * block + 1, 16)) | {block // 2, 2 * block}
+    return sorted(x for x in out if x >= 1 and x != block)
+
+
+def choose_isls(plan: Any, *, max_probes: int = 3) -> tuple[list[int], list[int]]:
+    """Probe lengths such that a wrong block size changes the moved bytes of at least one probe.
+
+    A probe of ``n`` tokens moves the KV of ``t`` tokens (``t = n`` or ``n - 1``, from the plan) padded to whole
+    blocks; with block ``b`` that is ``ceil(t/b)*b`` tokens' worth. Candidate lengths sit at block boundaries of
+    the planned size (``t = k*b`` and ``k*b + 1``); a greedy cover picks the fewest (up to ``max_probes``) that
+    tell the planned size from every confusable one. A wrong dtype or TP changes the bytes per token (or the
+    READs per request) at every length, so any probe catches those. Returns (lengths, block sizes no chosen
+    probe can tell apart from the planned one).
+    """
     b = plan.prefill.block_size
+    if plan.routes is None:
+        return [b + b // 2], []
     cap = (plan.prefill.settings.max_model_len or plan.model.max_position_embeddings or 1 << 30) - 8
-    return [n for n in (b + b // 2, 3 * b + 1) if n <= cap] or [max(2, min(b + b // 2, cap))]
+    off = max(0, (b + 2) - plan.transfer_for(b + 2).tokens_transferred)  # P's backoff (hybrid: 1 token)
+    cands: dict[int, int] = {}
+    for k in range(1, 9):
+        for t in (k * b, k * b + 1, b // 2 + 1):
+            n = t + off
+            if 2 <= n <= cap:
+                cands[n] = plan.transfer_for(n).tokens_transferred
+    if not cands:
+        return [max(2, min(b + b // 2, cap))], []
+    todo = set(confusable_block_sizes(b))
+    chosen: list[int] = []
+    while todo and len(chosen) < max_probes:
+        def covers(n: int) -> set[int]:
+            return {x for x in todo if _padded(cands[n], x) != _padded(cands[n], b)}
+        best = max(sorted(cands), key=lambda n: (len(covers(n)), -n))
+        got = covers(best)
+        if not got:
+            break
+        chosen.append(best)
+        todo -= got
+    if not chosen:
+        chosen = [min(cands)]
+    return sorted(chosen), sorted(todo)
+
+
+def default_isls(plan: Any) -> list[int]:
+    """The probe lengths `verify` sends when none are given (see ``choose_isls``)."""
+    return choose_isls(plan)[0]
 
 
 def run_probes(decode_url: str, plan: Any, model_name: str, *, isls: list[int] | None = None,
@@ -83,10 +131,14 @@ def run_probes(decode_url: str, plan: Any, model_name: str, *, isls: list[int] |
         raise UsageError("live mode needs --prefill URL or --proxy URL", field="--prefill/--proxy")
     if plan.routes is None:
         raise UsageError("the plan has no transfer routes for this combination", fix="run `hybridpd plan`")
+    blind: list[int] = []
+    if not isls:
+        isls, blind = choose_isls(plan)
     probes = [run_probe(decode_url, proxy_url or prefill_url or "", plan, n, model_name, proxy=bool(proxy_url),
-                        token_ids=token_ids) for n in (isls or default_isls(plan))]
+                        token_ids=token_ids) for n in isls]
     return {"mode": "live", "model": plan.model.model_id, "decode": decode_url, "via": "proxy" if proxy_url
             else "prefill", "note": metrics.POOLING_NOTE, "plan_errors": _plan_errors(plan), "probes": probes,
+            "block_size": plan.prefill.block_size, "block_sizes_not_told_apart": blind,
             "ok": all(p["ok"] for p in probes)}
 
 

@@ -151,3 +151,38 @@ def test_cli_live_json_unhealthy_on_error_finding(serve: Any, tiny_models: dict[
     assert data["ok"] is False and data["plan_errors"]
     assert all(pr["moved_bytes"] == pr["expected_bytes"] for pr in data["probes"])  # bytes match, still unhealthy
     assert metrics.POOLING_NOTE == data["note"]
+
+
+@pytest.mark.parametrize("name,block", [("llama", 128), ("llama", 64), ("nemoh", 128), ("granite", 64),
+                                        ("granite", 32)])
+def test_default_probes_catch_a_wrong_block_size(tiny_models: dict[str, Path], name: str, block: int) -> None:
+    """Issue #12: the default ISLs let a deployment at --block-size 64 pass a plan for 128 (ISL 96 moves 128
+    tokens' worth either way). Every other block size the planner accepts must change the predicted bytes of at
+    least one default probe — judged by the planner's own byte model for the other block size."""
+    def plan_for(bs: int) -> Any:
+        s = EngineSettings(block_size=bs, max_model_len=256, enable_prefix_caching=False)
+        return build_plan(str(tiny_models[name]), prefill=s, decode=s, vllm_version="0.32", platform="cpu")
+
+    plan = plan_for(block)
+    assert plan.prefill.block_size == block
+    isls, blind = live.choose_isls(plan)
+    assert blind == [] and 1 <= len(isls) <= 3 and max(isls) <= 248
+    tested = 0
+    for other in range(32, 4 * block + 1, 32):
+        alt = plan_for(other)
+        if alt.prefill.block_size == block or alt.routes is None:
+            continue  # the planner maps it to the same size (hybrid alignment) or refuses it
+        tested += 1
+        assert any(alt.transfer_for(n).bytes != plan.transfer_for(n).bytes for n in isls), (other, isls)
+    assert tested >= 2
+
+
+def test_default_probes_old_lengths_were_blind(tiny_models: dict[str, Path]) -> None:
+    """The reproduction from the issue: ISL 96 cannot tell 64 from 128 (so a probe set must not rely on it)."""
+    def plan_for(bs: int) -> Any:
+        s = EngineSettings(block_size=bs, max_model_len=256)
+        return build_plan(str(tiny_models["llama"]), prefill=s, decode=s, vllm_version="0.32", platform="cpu")
+
+    p64, p128 = plan_for(64), plan_for(128)
+    assert p64.transfer_for(96).bytes == p128.transfer_for(96).bytes
+    assert any(p64.transfer_for(n).bytes != p128.transfer_for(n).bytes for n in live.default_isls(p64))
