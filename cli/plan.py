@@ -50,7 +50,8 @@ def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict
     entries = load_calibration(calibration_path)
     entry = select(entries, link, platform=kw["platform"])
     p, d = settings_from(kw)
-    result = build_plan(model, prefill=p, decode=d, vllm_version=target_from(kw), platform=kw["platform"],
+    target = target_from(kw)
+    result = build_plan(model, prefill=p, decode=d, vllm_version=target, platform=kw["platform"],
                         isls=isls, allow_network=kw["allow_network"])
     data = plan_to_dict(result, estimate_with=entry)
     if entry is None:
@@ -59,7 +60,7 @@ def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict
         from hybridpd.plotting import plot_transfer
 
         plot_transfer(result, plot_path)
-    data["verdict"] = verdict_dict(data, fix_holds_for(result, p, d, kw))
+    data["verdict"] = verdict_dict(data, fix_holds_for(result, p, d, kw, target))
     out = resolve_format(as_json, fmt)
     if out == "json":
         emit_json(data)
@@ -135,7 +136,7 @@ def sp(v: list[int] | None) -> str:
 SEVERITY = {"error": "ERROR", "warning": "warning", "info": "info"}  # the JSON's words, errors shouted
 
 
-def fix_holds_for(result: Any, p: Any, d: Any, kw: dict[str, Any]) -> dict[str, Any] | None:
+def fix_holds_for(result: Any, p: Any, d: Any, kw: dict[str, Any], target: Any) -> dict[str, Any] | None:
     """Check the recommended --block-size under the dtypes the plan had to assume.
 
     A dtype flag left at 'auto' is resolved from the checkpoint's metadata, which may be missing or
@@ -165,13 +166,13 @@ def fix_holds_for(result: Any, p: Any, d: Any, kw: dict[str, Any]) -> dict[str, 
     for what, val, change in alts:
         try:
             fixed = build_plan(result.model, prefill=replace(p, block_size=rec, **change),
-                               decode=replace(d, block_size=rec, **change), vllm_version=result.profile.name,
+                               decode=replace(d, block_size=rec, **change), vllm_version=target,
                                platform=result.platform.name, isls=(1024,))
             if fixed.recommended_block_size is None and fixed.prefill.block_size == fixed.decode.block_size == rec:
                 holds.append(f"{what} {val}")
                 continue
             base = build_plan(result.model, prefill=replace(p, **change), decode=replace(d, **change),
-                              vllm_version=result.profile.name, platform=result.platform.name, isls=(1024,))
+                              vllm_version=target, platform=result.platform.name, isls=(1024,))
         except HybridPDError:
             continue  # that combination is not plannable at all; nothing to say about the fix under it
         fails.append({"dtype": f"{what} {val}", "block_size": base.recommended_block_size})
@@ -183,7 +184,7 @@ def fix_holds_for(result: Any, p: Any, d: Any, kw: dict[str, Any]) -> dict[str, 
         for change in [{}] + [c for _, _, c in alts]:
             try:
                 t = build_plan(result.model, prefill=replace(p, block_size=big, **change),
-                               decode=replace(d, block_size=big, **change), vllm_version=result.profile.name,
+                               decode=replace(d, block_size=big, **change), vllm_version=target,
                                platform=result.platform.name, isls=(1024,))
             except HybridPDError:
                 continue
