@@ -66,11 +66,45 @@ def _label(vary: tuple[tuple[str, str, str], ...], idx: int, text: str) -> str:
     parts = [f"--{t[0].lstrip('-')} {'(unset)' if t[idx] == '-' else t[idx]}" for t in vary]
     if text:
         parts.append(text)
-    return " ".join(parts) or "(base options)"
+    return " ".join(parts)
+
+
+# plan option (click parameter name) -> EngineSettings field, for options that set both sides alike
+_BOTH = ("kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "dtype", "attention_backend",
+         "enable_prefix_caching", "num_speculative_tokens", "max_model_len", "num_blocks", "kv_cache_memory",
+         "gpu_memory", "gpu_memory_utilization", "disable_hybrid_kv_cache_manager", "conv_layout", "cpu_avx512_bf16")
+
+
+def apply_options(p: Any, d: Any, over: dict[str, Any]) -> tuple[Any, Any]:
+    """Plan options over a recorded (prefill, decode) EngineSettings pair, as settings_from would set them."""
+    from dataclasses import replace
+
+    pk: dict[str, Any] = {k: over[k] for k in _BOTH if k in over}
+    if "weights_memory" in over:
+        pk["weights_memory"] = over["weights_memory"] or 0
+    dk = dict(pk)
+    if "block_size" in over:
+        pk["block_size"] = dk["block_size"] = over["block_size"]
+    if over.get("p_block_size") is not None:
+        pk["block_size"] = over["p_block_size"]
+    if over.get("d_block_size") is not None:
+        dk["block_size"] = over["d_block_size"]
+    if "ptp" in over:
+        pk["tp"] = over["ptp"]
+    if "dtp" in over:
+        dk["tp"] = over["dtp"]
+    return replace(p, **pk), replace(d, **dk)
+
+
+def _opt_text(over: dict[str, Any]) -> str:
+    def one(k: str, v: Any) -> str:
+        flag = "--" + k.replace("_path", "").replace("_", "-")
+        return flag if v is True else f"--no-{flag[2:]}" if v is False else f"{flag} {v}"
+    return " ".join(one(k, v) for k, v in over.items() if v is not None)
 
 
 @click.command()
-@click.argument("model", type=ModelArg())
+@click.argument("model", type=ModelArg(), required=False)
 @engine_options
 @click.option("--a", "-a", "a_opts", default="", metavar="OPTIONS",
               help='plan options for A over the common ones, quoted, e.g. --a "--vllm-version 0.24".')
@@ -82,6 +116,9 @@ def _label(vary: tuple[tuple[str, str, str], ...], idx: int, text: str) -> str:
                    "take on/off). Repeatable.")
 @click.option("--b-recommended", is_flag=True,
               help="B = A with --block-size set to A's recommended block size (what plan's fix would cost).")
+@click.option("--deployment", "deployment_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="A = the deployment `hybridpd serve` recorded in FILE (model, release, every engine setting); "
+                   "B = the same plus the options given here: what a relaunch with them would change. No MODEL.")
 @click.option("--isl", "isls", callback=isl_list, default=None,
               help="Input lengths to cost on both sides, comma-separated (k = 1024). Default: plan's.")
 @click.option("--calibration", "calibration_path", type=click.Path(dir_okay=False), default=None,
@@ -90,14 +127,15 @@ def _label(vary: tuple[tuple[str, str, str], ...], idx: int, text: str) -> str:
 @click.option("--exit-code", is_flag=True, help="Exit 1 when A and B differ in anything shown (as git diff --exit-code).")
 @click.option("--strict", is_flag=True, help="Exit 1 when B has an error finding that A has not.")
 @output_options
-def diff(model: str, a_opts: str, b_opts: str, vary: tuple[tuple[str, str, str], ...], b_recommended: bool,
-         isls: tuple[int, ...] | None, exit_code: bool, strict: bool, as_json: bool, fmt: str | None,
-         **base: Any) -> None:
+def diff(model: str | None, a_opts: str, b_opts: str, vary: tuple[tuple[str, str, str], ...], b_recommended: bool,
+         deployment_path: str | None, isls: tuple[int, ...] | None, exit_code: bool, strict: bool, as_json: bool,
+         fmt: str | None, **base: Any) -> None:
     """Compare two plans of MODEL and show only what differs: layout, NIXL descriptors, bytes and
     descriptors per request, capacity, findings, and whether P and D of A and B can pair.
 
     A and B are the common options (the same ones `plan` takes) with per-side overrides from --a,
-    --b and --vary. Exit 0 when the diff ran (see --exit-code and --strict), 2 on bad input.
+    --b and --vary; or A is a running deployment (--deployment FILE) and B the same with the options
+    given. Exit 0 when the diff ran (see --exit-code and --strict), 2 on bad input.
 
     \b
     Examples:
@@ -105,51 +143,44 @@ def diff(model: str, a_opts: str, b_opts: str, vary: tuple[tuple[str, str, str],
       hybridpd diff nano --ptp 2 --dtp 2 --a "--vllm-version 0.24" --b "--vllm-version 0.33"
       hybridpd diff nano-fp8 --ptp 2 --vary dtp 2 4
       hybridpd diff nano-fp8 --ptp 2 --dtp 4 --gpu-memory 141GB --b-recommended
+      hybridpd diff --deployment ~/.local/state/hybridpd/deployment-all-8000.json --vllm-version 0.33
     """
-    from hybridpd.diff import Variant, diff_to_dict, diff_variants
-    from hybridpd.errors import UsageError
-    from hybridpd.estimate import load_calibration, select
-    from hybridpd.families import model_spec
-    from hybridpd.models import resolve
-    from hybridpd.plan import build_plan
+    from hybridpd.diff import diff_to_dict, diff_variants
 
     try:
         a_args, b_args = shlex.split(a_opts), shlex.split(b_opts)
     except ValueError as e:
         raise click.UsageError(f"--a/--b: {e}; quote the options once, e.g. --b \"--dtp 4\"") from None
-    kw_a, kw_b = dict(base), dict(base)
+    over_a, over_b = {}, {}
     for opt, va, vb in vary:
-        kw_a.update(_vary_one(opt, va))
-        kw_b.update(_vary_one(opt, vb))
-    kw_a.update(parse_side(a_args, "--a"))
-    over_b = parse_side(b_args, "--b")
+        over_a.update(_vary_one(opt, va))
+        over_b.update(_vary_one(opt, vb))
+    over_a.update(parse_side(a_args, "--a"))
+    over_b.update(parse_side(b_args, "--b"))
     if b_recommended and {"block_size", "p_block_size", "d_block_size"} & set(over_b):
         raise click.UsageError("--b-recommended sets B's --block-size; drop the block size from --b")
-    kw_b.update(over_b)
-    spec = model_spec(resolve(model, allow_network=base["allow_network"]))
+    origin = _Origin(model, deployment_path, base, isls)
+    if origin.deployment is not None:
+        ctx = click.get_current_context()
+        given = {k: v for k, v in base.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+        over_b = {**given, **over_b}
+    def label(*parts: str) -> str:
+        return " ".join(x for x in (origin.label, *parts) if x) or "(base options)"
 
-    def variant(kw: dict[str, Any], label: str, which: str) -> Variant:
-        try:
-            entry = select(load_calibration(kw["calibration_path"]), kw["link"], platform=kw["platform"])
-            p, d = settings_from(kw)
-            plan = build_plan(spec, prefill=p, decode=d, vllm_version=target_from(kw), platform=kw["platform"],
-                              isls=isls)
-        except UsageError as e:
-            raise click.UsageError(f"{which} ({label}): {e}") from None
-        return Variant(label=label, plan=plan, calibration=entry)
-
-    va = variant(kw_a, _label(vary, 1, a_opts), "A")
-    label_b = _label(vary, 2, b_opts)
+    va = origin.variant(over_a, label(_label(vary, 1, a_opts)), "A")
+    core_b = _label(vary, 2, b_opts)
+    if origin.deployment is not None and not (vary or b_opts):
+        core_b = _opt_text(over_b)
     if b_recommended:
         rec = va.plan.recommended_block_size
         if rec is None:
             raise click.UsageError("--b-recommended: A has no block-size recommendation (its P and D blocks already "
                                    "agree, or the model is not hybrid); set B's block size with --b \"--block-size N\"")
-        kw_b.update(block_size=rec, p_block_size=None, d_block_size=None)
-        label_b = f"{label_b if b_opts or vary else ''} --block-size {rec} (A's recommendation)".strip()
-    vb = variant(kw_b, label_b, "B")
-    result = diff_variants(va, vb)
-    data = diff_to_dict(result)
+        over_b.update(block_size=rec, p_block_size=None, d_block_size=None)
+        core_b = f"{core_b} --block-size {rec} (A's recommendation)".strip()
+    label_b = label(core_b)
+    vb = origin.variant(over_b, label_b, "B")
+    data = diff_to_dict(diff_variants(va, vb))
     out = resolve_format(as_json, fmt)
     if out == "json":
         emit_json(data)
@@ -157,6 +188,52 @@ def diff(model: str, a_opts: str, b_opts: str, vary: tuple[tuple[str, str, str],
         emit_report(render(data), out)
     if (exit_code and not data["identical"]) or (strict and data["b_introduces_error"]):
         raise SystemExit(1)
+
+
+class _Origin:
+    """Where both variants start: the command line's common options, or a recorded deployment."""
+
+    def __init__(self, model: str | None, deployment_path: str | None, base: dict[str, Any],
+                 isls: tuple[int, ...] | None) -> None:
+        from hybridpd.errors import UsageError
+        from hybridpd.families import model_spec
+        from hybridpd.models import resolve
+
+        self.base, self.isls, self.deployment, self.label = base, isls, None, ""
+        if deployment_path is not None:
+            if model is not None:
+                raise click.UsageError("MODEL comes from --deployment FILE: drop MODEL, or drop --deployment")
+            from hybridpd.deployment import load
+
+            try:
+                self.deployment = load(deployment_path)
+            except UsageError as e:
+                raise click.UsageError(str(e)) from None
+            model, self.label = self.deployment.model, f"deployment {deployment_path}"
+        elif model is None:
+            raise click.UsageError("Missing argument 'MODEL' (or pass --deployment FILE).")
+        self.spec = model_spec(resolve(model, allow_network=base["allow_network"]))
+
+    def variant(self, over: dict[str, Any], label: str, which: str) -> Any:
+        from hybridpd.diff import Variant
+        from hybridpd.errors import UsageError
+        from hybridpd.estimate import load_calibration, select
+        from hybridpd.plan import build_plan
+
+        kw = {**self.base, **over}
+        try:
+            if self.deployment is None:
+                p, d = settings_from(kw)
+                target, platform = target_from(kw), kw["platform"]
+            else:
+                p, d = apply_options(self.deployment.prefill, self.deployment.decode, over)
+                target = target_from({"vllm_version": over.get("vllm_version") or self.deployment.vllm_version})
+                platform = over.get("platform") or self.deployment.platform
+            entry = select(load_calibration(kw["calibration_path"]), kw["link"], platform=platform)
+            plan = build_plan(self.spec, prefill=p, decode=d, vllm_version=target, platform=platform, isls=self.isls)
+        except UsageError as e:
+            raise click.UsageError(f"{which} ({label}): {e}") from None
+        return Variant(label=label, plan=plan, calibration=entry)
 
 
 LABELS = {

@@ -406,6 +406,57 @@ def test_diff_imports_neither_torch_nor_vllm() -> None:
     assert cp.stdout.strip() == "[]"
 
 
+# ---- against a recorded deployment (`hybridpd serve` writes hybridpd.deployment/1) ---------------------------------
+
+
+def _record(tmp_path: Path, *, ptp: int, dtp: int, version: str) -> str:
+    import dataclasses
+
+    pytest.importorskip("hybridpd.deployment")
+    sides = {role: dataclasses.asdict(EngineSettings(tp=tp, cpu_avx512_bf16=False, cpu_amx_tile=False))
+             for role, tp in (("prefill", ptp), ("decode", dtp))}
+    rec = {"schema": "hybridpd.deployment/1", "state": "running", "model": "nano-fp8", "vllm_model": "nano-fp8",
+           "served_model_name": "nano-fp8", "vllm": {"version": version}, "platform": "cuda", "role": "all",
+           "settings": sides, "urls": {"proxy": None, "prefill": [], "decode": []}, "side_channel": {"ports": {}}}
+    path = tmp_path / "deployment.json"
+    path.write_text(json.dumps(rec))
+    return str(path)
+
+
+def test_relaunch_of_a_recorded_deployment_with_a_new_decode_tp(tmp_path: Path) -> None:
+    rec = _record(tmp_path, ptp=2, dtp=2, version="0.32.0")
+    before = Path(rec).read_bytes()
+    d = run_json("--deployment", rec, "--dtp", "4", "--isl", "1k")
+    c = changes(d)
+    assert d["a"]["label"] == f"deployment {rec}" and d["b"]["label"] == f"deployment {rec} --dtp 4"
+    assert d["a"]["vllm_version"] == d["b"]["vllm_version"] == "0.32.0"
+    assert c[("layout", "decode", "attention_block_size")] == (4176, 2096)  # as in the TP 2 -> 4 case above
+    assert c[("transfer", 1024, "descriptors")] == (204, 408)
+    assert d["b_introduces_error"] is True
+    assert Path(rec).read_bytes() == before  # the record is input only
+
+
+def test_relaunch_of_a_recorded_deployment_on_a_new_release(tmp_path: Path) -> None:
+    rec = _record(tmp_path, ptp=2, dtp=2, version="0.24.0")
+    d = run_json("--deployment", rec, "--vllm-version", "0.33", "--isl", "1k")
+    assert d["pairing"]["hash_matches"] is False and "InferencePool" in d["pairing"]["advice"]
+    assert ("0.24.0", "0.33.0") in {(x["a"], x["b"]) for x in d["pairing"]["factors"] if x["name"] == "vllm_version"}
+    assert run_json("--deployment", rec, "--isl", "1k")["identical"] is True  # nothing given: nothing changes
+
+
+@pytest.mark.parametrize("extra,needle", [(("nano",), "drop MODEL"), ((), "not a hybridpd deployment record")])
+def test_deployment_usage_errors(tmp_path: Path, extra: tuple[str, ...], needle: str) -> None:
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"schema": "something-else"}))
+    r = invoke(*extra, "--deployment", str(bad))
+    assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output
+
+
+def test_model_or_deployment_is_required() -> None:
+    r = invoke("--vary", "dtp", "1", "2")
+    assert r.exit_code == 2 and "MODEL" in r.output
+
+
 # ---- invariants (library level) ----------------------------------------------------------------------------------
 
 variant_args = st.fixed_dictionaries({
