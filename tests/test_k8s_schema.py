@@ -171,3 +171,11 @@ def test_epp_config_checks(epp_schema: dict[str, Any]) -> None:
     cfg = epp_config()
     cfg["plugin"] = cfg.pop("plugins")
     assert epp_config_problems(cfg, epp_schema)
+
+
+def test_kubernetes_version_matters() -> None:
+    """The decode pod's native sidecar (initContainers[].restartPolicy) is unknown to the 1.27 schema."""
+    docs = [d for d in emitted("llm-d") if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-decode")]
+    old = [p for p in validate_docs(docs, [], k8s_version="1.27") if "restartPolicy" in p]
+    assert old and "'restartPolicy' was unexpected" in old[0]
+    assert not [p for p in validate_docs(docs, [], k8s_version=K8S_VERSION) if "restartPolicy" in p]
