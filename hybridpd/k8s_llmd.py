@@ -112,15 +112,14 @@ def epp_objects(ctx: Ctx, pool: str) -> list[dict[str, Any]]:
          "resources": ["inferencepools", "inferenceobjectives", "inferencemodelrewrites"],
          "verbs": ["get", "watch", "list"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "watch", "list"]},
-        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
-        {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]},
-    ]
+    ]  # tokenreviews are cluster-scoped (a Role cannot grant them): metrics auth is off, as in the v0.8.0 dev deploy
     cfg_text = to_yaml([epp_config()]).removeprefix("---\n")
     container = {
         "name": "epp", "image": ctx.opts.epp_image or EPP_IMAGE, "imagePullPolicy": "IfNotPresent",
         "args": ["--pool-name", pool, "--pool-namespace", "$(NAMESPACE)", "--config-file",
                  f"/etc/epp/{EPP_CONFIG_FILE}", "--grpc-port", str(EPP_GRPC_PORT), "--grpc-health-port",
-                 str(EPP_HEALTH_PORT), "--metrics-port", str(EPP_METRICS_PORT), "--v", "2"],
+                 str(EPP_HEALTH_PORT), "--metrics-port", str(EPP_METRICS_PORT), "--metrics-endpoint-auth=false",
+                 "--v", "2"],
         "env": [{"name": "NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
         "ports": [{"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
                   {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
