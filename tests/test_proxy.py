@@ -699,3 +699,51 @@ def test_run_proxy_serves_and_stops_cleanly_on_sigterm() -> None:
             await ds.close()
 
     run(go())
+
+
+def test_sigterm_with_a_stream_in_flight_ends_it_with_an_error_event_within_the_grace() -> None:
+    """Old: aiohttp cancelled the handler after the grace: the client saw the stream stop without any error
+    event (and serve had to SIGKILL a proxy whose grace exceeded its own)."""
+
+    async def go() -> None:
+        ledger = KVLedger()
+        p, d = FakePrefill(ledger), FakeDecode(ledger, mode="hold")
+        ps, ds = await start_server(p.make_app()), await start_server(d.make_app())
+        port = unused_port()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "hybridpd.proxy", "--prefill", ps.url, "--decode", ds.url, "--port", str(port),
+            "--shutdown-grace", "0.5", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as client:
+                async def up() -> bool:
+                    try:
+                        async with client.get(url + "/health") as r:
+                            return r.status == 200
+                    except aiohttp.ClientConnectionError:
+                        return False
+
+                await eventually(up, timeout=30, step=0.1)
+                async with client.post(url + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
+                    assert r.status == 200
+                    first = await r.content.readuntil(b"\n\n")
+                    assert json.loads(first[6:])["choices"][0]["text"] == token_text(PROMPT, 0)
+                    proc.send_signal(signal.SIGTERM)
+                    rest = await asyncio.wait_for(r.read(), 30)
+            events = parse_sse(rest)
+            assert events and "[DONE]" not in events
+            assert json.loads(events[-1])["error"]["message"] == "the proxy is shutting down; the stream was ended"
+            _, err = await asyncio.wait_for(proc.communicate(), 30)
+            assert proc.returncode == 0, err.decode()[-2000:]
+            assert d.cancellations == 1  # D's request was aborted, not left running
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            d.release.set()
+            await ps.close()
+            await ds.close()
+
+    run(go())

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one backend health probe (default %(default)s)")
     p.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes, metavar="N",
                    help="larger bodies -> 413 (default %(default)s)")
+    p.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace_s, metavar="S",
+                   help="on SIGTERM: requests in flight may finish this long, then streams end with an error "
+                        "event (default %(default)s)")
     p.add_argument("--access-log", action="store_true", help="log every request (logger hybridpd.proxy.access)")
     p.add_argument("--log-level", default="INFO", help="default %(default)s")
     return p
@@ -86,6 +89,7 @@ def config_from_args(a: argparse.Namespace) -> ProxyConfig:
         expose_backend_errors=a.expose_backend_errors,
         health_interval_s=a.health_interval,
         health_timeout_s=a.health_timeout,
+        shutdown_grace_s=a.shutdown_grace,
         max_request_bytes=a.max_request_bytes,
         api_key=os.environ.get("HYBRIDPD_PROXY_API_KEY") or None,
         backend_api_key=os.environ.get("HYBRIDPD_PROXY_BACKEND_API_KEY") or None,

@@ -187,6 +187,10 @@ class ProxyState:
         self._health_task: asyncio.Task[None] | None = None
         self._probe_round: asyncio.Task[None] | None = None
         self._last_probe = -math.inf
+        #: Client requests in flight on /v1/* (and tokenizer routes); D responses of streams being relayed.
+        self.in_flight = 0
+        self._streams: set[aiohttp.ClientResponse] = set()
+        self.shutting_down = False
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -564,6 +568,7 @@ class ProxyState:
         backend, resp = await self._open(self.decode, path, body, headers, timeout, deadline)
         clean = False
         request_id = ids["X-HybridPD-Pairing-Id"]
+        self._streams.add(resp)
         try:
             try:
                 await self._check_status(backend, resp)
@@ -642,6 +647,8 @@ class ProxyState:
                     detail = backend.url
                 else:
                     clean = True
+            if self.shutting_down and not clean:  # interrupt_streams() closed D under us
+                kind, error, detail = "shutdown", "the proxy is shutting down; the stream was ended", backend.url
             if error is not None:
                 self.metrics.upstream_errors.labels("decode", kind).inc()
                 log.warning("stream %s%s interrupted: %s (%s)", request_id, _client_note(ids), error, detail)
@@ -652,12 +659,22 @@ class ProxyState:
                 await out.write_eof()
             return out
         finally:
+            self._streams.discard(resp)
             if clean:
                 resp.release()
             else:
                 resp.close()  # drops the D connection: vLLM aborts the request
             self.decode.release(backend)
             self.metrics.leg_duration.labels("decode", backend.url).observe(loop.time() - t0)
+
+    def interrupt_streams(self) -> int:
+        """End every stream being relayed: D's connection is closed, and each stream's handler sends its client
+        one SSE error event ("the proxy is shutting down") and ends. Returns how many were open."""
+        self.shutting_down = True
+        streams = list(self._streams)
+        for resp in streams:
+            resp.close()
+        return len(streams)
 
     def _note_handover(self, handover: tuple[float, Backend], now: float, ids: dict[str, str]) -> None:
         p_done, p_backend = handover
@@ -779,6 +796,7 @@ async def _middleware(request: web.Request, handler: _Handler) -> web.StreamResp
     status = 500
     if api:
         metrics.outstanding.inc()
+        state.in_flight += 1
     try:
         if api:
             state.check_auth(request)
@@ -805,6 +823,7 @@ async def _middleware(request: web.Request, handler: _Handler) -> web.StreamResp
     finally:
         if api:
             metrics.outstanding.dec()
+            state.in_flight -= 1
         metrics.requests.labels(route, str(status)).inc()
         metrics.request_duration.labels(route).observe(time.perf_counter() - started)
 
@@ -840,7 +859,7 @@ def make_runner(app: web.Application) -> web.AppRunner:
         app,
         handler_cancellation=True,
         access_log=logging.getLogger("hybridpd.proxy.access") if config.access_log else None,
-        shutdown_timeout=config.shutdown_grace_s,
+        shutdown_timeout=1.0,  # serve_proxy's drain() has given in-flight requests shutdown_grace_s already
         keepalive_timeout=config.idle_timeout_s + 1.0,
         lingering_time=2.0,  # after an early answer (408, 413), read and drop the rest of a body this long
     )
@@ -875,8 +894,9 @@ async def serve_proxy(
 ) -> None:
     """Serve until ``stop`` is set or SIGINT/SIGTERM arrives, then shut down gracefully.
 
-    In-flight requests get ``shutdown_grace_s`` to finish; then they are cancelled, the health task stopped and
-    the upstream session closed. ``on_started`` receives the listening URL (useful with ``port=0``).
+    In-flight requests get ``shutdown_grace_s`` to finish (``drain``); streams still open then get an SSE error
+    event and end; what is left is cancelled, the health task stopped and the upstream session closed.
+    ``on_started`` receives the listening URL (useful with ``port=0``).
     """
     stop = stop if stop is not None else asyncio.Event()
     app = build_app(config)
@@ -904,11 +924,32 @@ async def serve_proxy(
         if on_started is not None:
             on_started(url)
         await stop.wait()
-        log.info("hybridpd proxy shutting down")
+        await drain(runner)
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
         await runner.cleanup()
+
+
+async def drain(runner: web.AppRunner) -> None:
+    """Graceful stop: close the listening sockets, let requests in flight finish for ``shutdown_grace_s``, then
+    end the streams still open with an SSE error event (and give their handlers a moment to send it). Requests
+    still running after that are cancelled by ``runner.cleanup()``."""
+    state: ProxyState = runner.app[STATE]
+    loop = asyncio.get_running_loop()
+    log.info("hybridpd proxy shutting down: %d request(s) in flight", state.in_flight)
+    for site in list(runner.sites):
+        await site.stop()
+    deadline = loop.time() + state.config.shutdown_grace_s
+    while state.in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if state.in_flight:
+        ended = state.interrupt_streams()
+        log.warning("shutdown grace (%g s) over: ending %d stream(s) with an error event; %d request(s) left",
+                    state.config.shutdown_grace_s, ended, state.in_flight)
+        settle = loop.time() + 1.0
+        while state.in_flight and loop.time() < settle:
+            await asyncio.sleep(0.02)
 
 
 def run_proxy(config: ProxyConfig) -> None:
