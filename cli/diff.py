@@ -162,7 +162,8 @@ def diff(model: str | None, a_opts: str, b_opts: str, vary: tuple[tuple[str, str
     origin = _Origin(model, deployment_path, base, isls)
     if origin.deployment is not None:
         ctx = click.get_current_context()
-        given = {k: v for k, v in base.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+        given = {k: v for k, v in base.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE
+                 and k not in ("calibration_path", "link", "allow_network")}  # those apply to A as well
         over_b = {**given, **over_b}
     def label(*parts: str) -> str:
         return " ".join(x for x in (origin.label, *parts) if x) or "(base options)"

@@ -441,7 +441,8 @@ def test_relaunch_of_a_recorded_deployment_on_a_new_release(tmp_path: Path) -> N
     d = run_json("--deployment", rec, "--vllm-version", "0.33", "--isl", "1k")
     assert d["pairing"]["hash_matches"] is False and "InferencePool" in d["pairing"]["advice"]
     assert ("0.24.0", "0.33.0") in {(x["a"], x["b"]) for x in d["pairing"]["factors"] if x["name"] == "vllm_version"}
-    assert run_json("--deployment", rec, "--isl", "1k")["identical"] is True  # nothing given: nothing changes
+    same = run_json("--deployment", rec, "--isl", "1k", "--calibration", CAL)  # nothing given: nothing changes
+    assert same["identical"] is True and same["a"]["label"] == same["b"]["label"] == f"deployment {rec}"
 
 
 @pytest.mark.parametrize("extra,needle", [(("nano",), "drop MODEL"), ((), "not a hybridpd deployment record")])
