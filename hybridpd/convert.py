@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .convert_engine import DEFAULT_CHUNK, Engine, resolve_device
+from .convert_engine import Engine, resolve_device
 from .convert_io import AtomicFile, Checksum, Header, Source, Writer, new_checksum, read_header
+from .convert_options import CheckResult, ConvertOptions, geometry_for, layout_arg, resolve_geometry, validated
 from .convert_paths import Job, layout_jobs, merge_jobs, split_jobs
 from .convert_plan import (
     CONV,
@@ -51,23 +52,6 @@ from .errors import HybridPDError, UsageError
 
 __all__ = ["ConvertOptions", "ConvertSummary", "CheckResult", "Geometry", "convert", "check", "geometry_for",
            "DS", "SD"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ConvertOptions:
-    to: str | None = None  # SD | DS; required to convert, optional for check
-    model: str | None = None  # resolved like `plan`: bundled id/alias, path, HF cache
-    geometry: Geometry | None = None  # instead of model (library callers)
-    num_spec: int = 0
-    pattern: str | None = None  # regex selecting conv states by name (default: 'conv')
-    from_layout: str | None = None
-    tp_split: int | None = None
-    tp_merge: bool = False
-    force: bool = False
-    device: str = "cpu"
-    checksum: str = "xxh3"  # xxh3 | crc32 | sha256 | none: of every input and output data section
-    allow_network: bool = False
-    chunk_bytes: int = DEFAULT_CHUNK
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,50 +98,6 @@ class ConvertSummary:
             "inputs": [f.to_dict() for f in self.inputs], "outputs": [f.to_dict() for f in self.outputs],
             "tensors": self.tensors, "notes": self.notes,
         }
-
-
-@dataclass
-class CheckResult:
-    pairs: list[dict[str, Any]] = field(default_factory=list)
-    mismatch: dict[str, Any] | None = None
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.mismatch is None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"operation": "check", "ok": self.ok, "pairs": self.pairs, "first_mismatch": self.mismatch,
-                "bytes_compared": sum(p["bytes"] for p in self.pairs), "seconds": round(self.seconds, 6)}
-
-
-def geometry_for(model: str, num_spec: int = 0, *, allow_network: bool = False) -> Geometry:
-    """MODEL (same resolution as ``plan``) -> its Mamba2 geometry; errors for models without Mamba2."""
-    from .families import model_spec
-    from .models import resolve
-
-    spec = model_spec(resolve(model, allow_network=allow_network))
-    if spec.mamba is None or spec.mamba_type != "mamba2":
-        raise UsageError(f"{spec.model_id} ({spec.family}) has no Mamba2 layers, so no conv state to convert",
-                         field="--model", fix="pass a Mamba2 hybrid (e.g. nano, granite-tiny, falcon-h1-0.5b)")
-    return Geometry(dims=spec.mamba, num_spec=num_spec, model=spec.model_id)
-
-
-def _layout_arg(v: str | None, what: str) -> str | None:
-    if v is None:
-        return None
-    u = v.upper()
-    if u not in (SD, DS):
-        raise UsageError(f"{what} {v!r}", field=what, fix="use SD or DS")
-    return u
-
-
-def _geometry(opts: ConvertOptions, header: Header) -> Geometry | None:
-    if opts.geometry is not None:
-        return opts.geometry
-    if opts.model is not None:
-        return geometry_for(opts.model, opts.num_spec, allow_network=opts.allow_network)
-    return Geometry.from_metadata(header.metadata)
 
 
 def _check_targets(jobs: Sequence[Job], force: bool, *, mkdirs: bool) -> None:
@@ -220,7 +160,7 @@ def _out_metadata(src: Header, frs: Sequence[FileRoles], plan: StreamPlan, k: in
 def _plan_job(job: Job, opts: ConvertOptions, to: str) -> tuple[list[Header], list[FileRoles], StreamPlan,
                                                                   Geometry | None]:
     headers = [read_header(p) for p in job.sources]
-    geo = _geometry(opts, headers[0])
+    geo = resolve_geometry(opts, headers[0])
     frs = [classify(h, geo=geo, pattern=opts.pattern, from_layout=opts.from_layout) for h in headers]
     if opts.tp_split:
         plan = plan_split(frs[0], opts.tp_split, to, geo)
@@ -234,10 +174,10 @@ def _plan_job(job: Job, opts: ConvertOptions, to: str) -> tuple[list[Header], li
 def convert(input: str | Path, output: str | Path, opts: ConvertOptions,
             progress: Callable[[int, int], None] | None = None) -> ConvertSummary:
     """Convert INPUT to OUTPUT per ``opts``; never touches INPUT; each output appears whole or not at all."""
-    to = _layout_arg(opts.to, "--to")
+    to = layout_arg(opts.to, "--to")
     if to is None:
         raise UsageError("missing --to", field="--to", fix="pass --to DS or --to SD")
-    opts = _validated(opts)
+    opts = validated(opts)
     op = "tp-split" if opts.tp_split else ("tp-merge" if opts.tp_merge else "convert")
     if opts.tp_split:
         jobs = split_jobs(str(input), str(output), opts.tp_split)
@@ -273,19 +213,6 @@ def convert(input: str | Path, output: str | Path, opts: ConvertOptions,
         _run_job(job, headers, frs, plan, geo, opts, to, engine, summary)
     summary.seconds = time.perf_counter() - t0
     return summary
-
-
-def _validated(opts: ConvertOptions) -> ConvertOptions:
-    if opts.tp_split is not None and opts.tp_merge:
-        raise UsageError("--tp-split and --tp-merge together", field="--tp-split", fix="pass one of them")
-    if opts.tp_split is not None and opts.tp_split < 2:
-        raise UsageError(f"--tp-split {opts.tp_split}", field="--tp-split", fix="split into 2 or more shards")
-    if opts.num_spec < 0:
-        raise UsageError("must be >= 0", field="--num-speculative-tokens")
-    if opts.num_spec and opts.model is None and opts.geometry is None:
-        raise UsageError("--num-speculative-tokens only matters with --model", field="--num-speculative-tokens",
-                         fix="pass --model too")
-    return replace(opts, from_layout=_layout_arg(opts.from_layout, "--from"))
 
 
 def _run_job(job: Job, headers: list[Header], frs: list[FileRoles], plan: StreamPlan, geo: Geometry | None,

@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .convert import CheckResult, ConvertOptions, _geometry, _layout_arg, _validated
 from .convert_engine import CompareSink, Engine, Mismatch, resolve_device
 from .convert_io import Header, Source, read_header
+from .convert_options import CheckResult, ConvertOptions, layout_arg, resolve_geometry, validated
 from .convert_paths import check_jobs
 from .convert_plan import (
     CONV,
@@ -91,8 +91,8 @@ def _target_layouts(draft: StreamPlan, tgt: Header, k: int, to: str | None) -> t
 
 def run_check(input: str | Path, output: str | Path, opts: ConvertOptions,
               progress: Callable[[int, int], None] | None = None) -> CheckResult:
-    to = _layout_arg(opts.to, "--to")
-    opts = _validated(opts)
+    to = layout_arg(opts.to, "--to")
+    opts = validated(opts)
     jobs = check_jobs(str(input), str(output))
     device = resolve_device(opts.device)
     result = CheckResult()
@@ -107,7 +107,7 @@ def run_check(input: str | Path, output: str | Path, opts: ConvertOptions,
     plans: list[tuple[Any, ...]] = []
     for job in jobs:
         ref, tgts = read_header(job.sources[0]), [read_header(t) for t in job.targets]
-        geo: Geometry | None = _geometry(opts, ref) or Geometry.from_metadata(tgts[0].metadata)
+        geo: Geometry | None = resolve_geometry(opts, ref) or Geometry.from_metadata(tgts[0].metadata)
         hint = opts.from_layout or (_hint_from_target(ref, tgts[0]) if geo is None and len(tgts) == 1 else None)
         fr = classify(ref, geo=geo, pattern=opts.pattern, from_layout=hint)
         n = len(tgts)
