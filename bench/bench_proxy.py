@@ -1,18 +1,22 @@
-"""Proxy overhead benchmark: fake vLLM P/D backends, three ways of reaching them, ratios against the direct baseline.
+"""Proxy overhead benchmark: fake vLLM P/D backends, reached directly and through two P/D routers.
 
-Rows (all measured in the same run, against the same backend process, by the same load generator):
+Rows, measured in one run against the same fake backend process by the same load generator, for every
+combination of concurrency (default 1, 16, 64) and streaming (SSE) or not:
 
-  direct   client -> fake D, no P/D (the floor: what one HTTP hop to D costs)
-  hybridpd client -> hybridpd.proxy (aiohttp) -> fake P, then fake D
-  toy      client -> minimal re-implementation of vLLM's toy_proxy_server.py design (FastAPI + httpx + uvicorn)
-           -> fake P, then fake D; only if fastapi, httpx and uvicorn are importable (otherwise the row is skipped)
+  direct       client -> fake D, no P/D (the floor: one HTTP hop to D)
+  hybridpd     client -> hybridpd.proxy (aiohttp) -> fake P, then fake D
+  vllm-router  client -> vllm-router (Rust, PyPI ``vllm-router``, ``--vllm-pd-disaggregation``) -> fake P, then D
+  toy          (``--with-toy``) vLLM's toy_proxy_server.py design (FastAPI + httpx + uvicorn), if importable
 
-Backends, the proxy under test and the load generator run in separate processes (the machine's cores are shared,
-so absolute numbers depend on the box; compare the ratios). Every response is checked (text derived from the
-prompt, ``data: [DONE]``, P/D pairing verified by the fake D): a wrong answer counts as an error.
+Reported per row: requests/s, p50/p99 latency, and the latency each router ADDS over direct (p50, p99); then the
+hybridpd/vllm-router ratios: added p50, added p99 (lower is better, 1.0 = equal) and throughput (higher is better).
+Backends, each router and the load generator run in separate processes (the machine's cores are shared, so
+absolute numbers depend on the box; compare the ratios). Every answer is checked (text derived from the prompt,
+``data: [DONE]``, P/D pairing verified by the fake D): a wrong answer counts as an error.
 
-    python bench/bench_proxy.py                      # ~20 s (per row: 2 s warm-up, then at most 4 s measured)
-    python bench/bench_proxy.py --requests 5000 --concurrency 64 --tokens 32 --no-stream
+    python bench/bench_proxy.py                                   # ~2 min: 3 concurrencies x 2 modes x 3 rows
+    python bench/bench_proxy.py --concurrency 64 --no-stream --max-seconds 10
+    python bench/bench_proxy.py --vllm-router /path/to/vllm-router --json out.json
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import importlib.util
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -55,7 +58,7 @@ TOY_MODULES = ("fastapi", "httpx", "uvicorn")
 
 async def _serve_fakes() -> None:
     ledger = KVLedger()
-    p = FakePrefill(ledger, record=False)
+    p = FakePrefill(ledger, record=False, require_request_id=False)  # vllm-router sends its id as x-request-id
     d = FakeDecode(ledger, strict=False, record=False)  # direct requests carry no kv_transfer_params
     ps, ds = await start_server(p.make_app()), await start_server(d.make_app())
     print(f"READY {ps.url} {ds.url}", flush=True)
@@ -68,6 +71,58 @@ async def _serve_fakes() -> None:
     print(f"VIOLATIONS {bad} {json.dumps((p.violations + d.violations)[:3])}", flush=True)
     await ps.close()
     await ds.close()
+
+
+async def _serve_one_fake(role: str) -> None:
+    """One fake backend alone in this process (for --health-detect: killing it kills only that backend)."""
+    ledger = KVLedger()
+    fake = FakePrefill(ledger, record=False) if role == "prefill" else FakeDecode(ledger, record=False)
+    server = await start_server(fake.make_app())
+    print(f"READY {server.url}", flush=True)
+    await asyncio.Event().wait()
+
+
+async def _health_detect(args: argparse.Namespace) -> int:
+    """Seconds from SIGKILL (dead) or SIGSTOP (hung) of the fake D process until the proxy's /health says 503,
+    polled every 20 ms like a supervisor would, with the proxy's default health settings."""
+    from hybridpd.proxy import ProxyConfig
+
+    defaults = ProxyConfig(prefill_urls=("http://127.0.0.1:1",), decode_urls=("http://127.0.0.1:2",))
+    results = []
+    for how in ("SIGKILL", "SIGSTOP"):
+        p = _spawn("--serve-one-fake", "prefill")
+        d = _spawn("--serve-one-fake", "decode")
+        assert p.stdout is not None and d.stdout is not None
+        p_url, d_url = p.stdout.readline().decode().split()[1], d.stdout.readline().decode().split()[1]
+        port = unused_port()
+        proxy = _spawn("--serve-hybridpd", p_url, d_url, str(port))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            await _wait_healthy(url, proxy)
+            async with aiohttp.ClientSession() as s:
+                await asyncio.sleep(1.0)
+                t0 = time.perf_counter()
+                d.send_signal(getattr(signal, how))
+                while True:
+                    try:
+                        async with s.get(url + "/health", timeout=aiohttp.ClientTimeout(total=30)) as r:
+                            if r.status == 503:
+                                break
+                    except (aiohttp.ClientError, asyncio.TimeoutError):
+                        pass
+                    await asyncio.sleep(0.02)
+                results.append((how, time.perf_counter() - t0))
+        finally:
+            if how == "SIGSTOP":
+                d.send_signal(signal.SIGCONT)
+            for proc in (proxy, p, d):
+                _stop(proc)
+    print(f"\n/health after decode dies (proxy defaults: health_interval_s={defaults.health_interval_s}, "
+          f"health_timeout_s={defaults.health_timeout_s}, unhealthy_after={defaults.unhealthy_after}, "
+          f"health_max_age_s={getattr(defaults, 'health_max_age_s', None)})")
+    for how, seconds in results:
+        print(f"  decode {'killed (SIGKILL)' if how == 'SIGKILL' else 'hung (SIGSTOP)':18} -> 503 after {seconds:6.2f} s")
+    return 0
 
 
 def _serve_hybridpd(prefill: str, decode: str, port: int) -> None:
@@ -283,104 +338,185 @@ def _stop(proc: subprocess.Popen[bytes]) -> bytes:
     return out
 
 
+def _router_exe(explicit: str | None) -> str | None:
+    try:
+        from hybridpd.proxy.router import find_vllm_router
+
+        return find_vllm_router(explicit)
+    except Exception:
+        local = ROOT / ".venv-router" / "bin" / "vllm-router"
+        return str(local) if local.exists() else None
+
+
+def _spawn_router(exe: str, p_url: str, d_url: str, port: int) -> subprocess.Popen[bytes]:
+    from hybridpd.proxy.router import vllm_router_argv
+
+    argv = vllm_router_argv(exe, host="127.0.0.1", port=port, prefill_urls=[p_url], decode_urls=[d_url],
+                            prometheus_port=unused_port(), log_level="error")
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+@dataclass
+class Cell:
+    stream: bool
+    concurrency: int
+    rows: dict[str, Row]
+
+
+def _added(row: Row, direct: Row, q: float) -> float:
+    return row.pct(q) - direct.pct(q)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and b == b and a == a else float("nan")
+
+
 async def _bench(args: argparse.Namespace) -> int:
-    load = {
-        "requests": args.requests,
-        "concurrency": args.concurrency,
-        "tokens": args.tokens,
-        "stream": args.stream,
-        "warmup_seconds": args.warmup_seconds,
-        "max_seconds": args.max_seconds,
-    }
     fakes = _spawn("--serve-fakes")
-    rows: list[Row] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    cells: list[Cell] = []
+    routers: dict[str, str | None] = {}  # name -> url, None = skipped
+    skipped: dict[str, str] = {}
     try:
         assert fakes.stdout is not None
         ready = fakes.stdout.readline().decode().split()
         if not ready or ready[0] != "READY":
             raise RuntimeError(f"fake backends did not start: {ready}")
         p_url, d_url = ready[1], ready[2]
-
-        direct = Row("direct -> fake D (no P/D)")
-        await _load(d_url, direct, **load)
-        rows.append(direct)
-
-        servers: list[tuple[str, str, str | None]] = [("hybridpd.proxy (aiohttp)", "--serve-hybridpd", None)]
-        missing = [m for m in TOY_MODULES if importlib.util.find_spec(m) is None]
-        servers.append(("vLLM toy design (FastAPI+httpx)", "--serve-toy", ", ".join(missing) or None))
-        for name, flag, skip in servers:
-            row = Row(name)
-            rows.append(row)
-            if skip:
-                row.skipped = f"skipped: {skip} not importable"
-                continue
+        routers["direct"] = d_url
+        port = unused_port()
+        procs.append(_spawn("--serve-hybridpd", p_url, d_url, str(port)))
+        routers["hybridpd"] = f"http://127.0.0.1:{port}"
+        exe = _router_exe(args.vllm_router)
+        if exe is None:
+            skipped["vllm-router"] = "vllm-router not found (pip install vllm-router; --vllm-router PATH)"
+        else:
             port = unused_port()
-            proc = _spawn(flag, p_url, d_url, str(port))
-            try:
-                await _wait_healthy(f"http://127.0.0.1:{port}", proc)
-                await _load(f"http://127.0.0.1:{port}", row, **load)
-            finally:
-                _stop(proc)
+            procs.append(_spawn_router(exe, p_url, d_url, port))
+            routers["vllm-router"] = f"http://127.0.0.1:{port}"
+        if args.with_toy:
+            missing = [m for m in TOY_MODULES if importlib.util.find_spec(m) is None]
+            if missing:
+                skipped["toy"] = f"{', '.join(missing)} not importable"
+            else:
+                port = unused_port()
+                procs.append(_spawn("--serve-toy", p_url, d_url, str(port)))
+                routers["toy"] = f"http://127.0.0.1:{port}"
+        for proc, name in zip(procs, [n for n in routers if n != "direct"], strict=True):
+            await _wait_healthy(routers[name] or "", proc)
+        for stream in args.modes:
+            for concurrency in args.concurrency:
+                cell = Cell(stream, concurrency, {})
+                for name, url in routers.items():
+                    row = Row(name)
+                    await _load(url or "", row, requests=args.requests, concurrency=concurrency,
+                                tokens=args.tokens, stream=stream, warmup_seconds=args.warmup_seconds,
+                                max_seconds=args.max_seconds)
+                    cell.rows[name] = row
+                cells.append(cell)
     finally:
+        for proc in procs:
+            _stop(proc)
         out = _stop(fakes).decode()
     violations = next((ln for ln in out.splitlines() if ln.startswith("VIOLATIONS")), "VIOLATIONS ?")
+    _report(args, cells, skipped, violations)
+    failed = any(r.errors for c in cells for r in c.rows.values()) or not violations.startswith("VIOLATIONS 0")
+    return 1 if failed else 0
 
-    base = rows[0]
-    print(
-        f"\nproxy benchmark: {args.requests} requests/row, concurrency {args.concurrency}, "
-        f"{'streaming' if args.stream else 'non-streaming'}, {args.tokens} tokens/answer, "
-        f"{os.cpu_count()} CPUs shared by load generator, proxy and fake backends"
-    )
-    header = (
-        f"{'path':34} {'done':>6} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'ttfb p50':>9} {'errors':>6}"
-        f" {'req/s / direct':>15} {'p50 / direct':>13}"
-    )
+
+def _report(args: argparse.Namespace, cells: list[Cell], skipped: dict[str, str], violations: str) -> None:
+    print(f"\nproxy benchmark: {args.tokens} tokens/answer, per cell {args.warmup_seconds:g} s warm-up then at most "
+          f"{args.requests} requests or {args.max_seconds:g} s; {os.cpu_count()} CPUs shared by load generator, "
+          f"routers and fake backends")
+    header = (f"{'mode':6} {'conc':>4} {'path':12} {'done':>6} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7}"
+              f" {'+p50 ms':>8} {'+p99 ms':>8} {'errors':>6}")
     print(header)
     print("-" * len(header))
-    for row in rows:
-        if row.skipped:
-            print(f"{row.name:34} {row.skipped}")
-            continue
-        ratio_rps = row.rps / base.rps if base.rps else float("nan")
-        ratio_p50 = row.pct(0.5) / base.pct(0.5) if base.latencies else float("nan")
-        done = f"{len(row.latencies):5d}{'*' if row.capped else ' '}"
-        print(
-            f"{row.name:34} {done} {row.rps:8.0f} {row.pct(0.5):8.1f} {row.pct(0.99):8.1f}"
-            f" {row.pct(0.5, row.ttfbs):9.1f} {row.errors:6d} {ratio_rps:15.2f} {ratio_p50:13.2f}"
-        )
-        if row.first_error:
-            print(f"    first error: {row.first_error}")
-    mean = statistics.fmean(base.latencies) * 1000 if base.latencies else float("nan")
-    if any(r.capped for r in rows):
+    summary = []
+    for cell in cells:
+        direct = cell.rows["direct"]
+        mode = "stream" if cell.stream else "json"
+        for name, row in cell.rows.items():
+            add50 = _added(row, direct, 0.5) if name != "direct" else 0.0
+            add99 = _added(row, direct, 0.99) if name != "direct" else 0.0
+            done = f"{len(row.latencies):5d}{'*' if row.capped else ' '}"
+            print(f"{mode:6} {cell.concurrency:4d} {name:12} {done} {row.rps:7.0f} {row.pct(0.5):7.2f}"
+                  f" {row.pct(0.99):7.2f} {add50:8.2f} {add99:8.2f} {row.errors:6d}")
+            if row.first_error:
+                print(f"    first error: {row.first_error}")
+        ours, theirs = cell.rows.get("hybridpd"), cell.rows.get("vllm-router")
+        if ours is not None and theirs is not None:
+            summary.append((mode, cell.concurrency,
+                            _ratio(_added(ours, direct, 0.5), _added(theirs, direct, 0.5)),
+                            _ratio(_added(ours, direct, 0.99), _added(theirs, direct, 0.99)),
+                            _ratio(ours.rps, theirs.rps)))
+    for name, why in skipped.items():
+        print(f"{name}: skipped ({why})")
+    if summary:
+        print("\nhybridpd / vllm-router (added latency: lower is better; throughput: higher is better)")
+        print(f"{'mode':6} {'conc':>4} {'+p50 ratio':>10} {'+p99 ratio':>10} {'req/s ratio':>11}")
+        for mode, conc, r50, r99, rps in summary:
+            print(f"{mode:6} {conc:4d} {r50:10.2f} {r99:10.2f} {rps:11.2f}")
+    if any(r.capped for c in cells for r in c.rows.values()):
         print(f"* stopped after --max-seconds {args.max_seconds:g} (rates stay comparable)")
-    print(f"(direct mean latency {mean:.1f} ms; fake-backend protocol violations: {violations.split(' ', 1)[1]})")
-    failed = any(r.errors for r in rows) or not violations.startswith("VIOLATIONS 0")
-    return 1 if failed else 0
+    print(f"(fake-backend protocol violations: {violations.split(' ', 1)[1]})")
+    if args.json:
+        data = [{"stream": c.stream, "concurrency": c.concurrency, "path": n, "requests": len(r.latencies),
+                 "rps": r.rps, "p50_ms": r.pct(0.5), "p99_ms": r.pct(0.99),
+                 "added_p50_ms": _added(r, c.rows["direct"], 0.5), "added_p99_ms": _added(r, c.rows["direct"], 0.99),
+                 "errors": r.errors} for c in cells for n, r in c.rows.items()]
+        tmp = Path(args.json + ".tmp")
+        tmp.write_text(json.dumps({"cells": data, "skipped": skipped}, indent=1))
+        tmp.replace(args.json)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("concurrencies must be >= 1")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=2000, help="measured requests per row (default 2000)")
-    ap.add_argument("--concurrency", type=int, default=32, help="concurrent client requests (default 32)")
+    ap.add_argument("--requests", type=int, default=5000, help="measured requests per cell at most (default 5000)")
+    ap.add_argument("--concurrency", type=_int_list, default=[1, 16, 64],
+                    help="comma-separated concurrencies (default 1,16,64)")
     ap.add_argument("--tokens", type=int, default=16, help="tokens per answer (SSE events when streaming)")
-    ap.add_argument("--no-stream", dest="stream", action="store_false", help="non-streaming requests")
-    ap.add_argument("--max-seconds", type=float, default=4.0, help="stop a row after this long (default 4)")
-    ap.add_argument("--warmup-seconds", type=float, default=2.0, help="unmeasured warm-up per row (default 2)")
+    ap.add_argument("--stream", dest="modes", action="store_const", const=[True], default=[True, False],
+                    help="streaming only (default: both)")
+    ap.add_argument("--no-stream", dest="modes", action="store_const", const=[False], help="non-streaming only")
+    ap.add_argument("--max-seconds", type=float, default=4.0, help="stop a cell's row after this long (default 4)")
+    ap.add_argument("--warmup-seconds", type=float, default=1.0, help="unmeasured warm-up per row (default 1)")
+    ap.add_argument("--vllm-router", default=None, help="vllm-router executable (default: found like serve does)")
+    ap.add_argument("--with-toy", action="store_true", help="also vLLM's toy proxy design (fastapi/httpx/uvicorn)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+    ap.add_argument("--health-detect", action="store_true",
+                    help="instead: how fast the proxy's /health reports a killed or hung decode")
     ap.add_argument("--serve-fakes", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-one-fake", choices=("prefill", "decode"), help=argparse.SUPPRESS)
     ap.add_argument("--serve-hybridpd", nargs=3, metavar=("P", "D", "PORT"), help=argparse.SUPPRESS)
     ap.add_argument("--serve-toy", nargs=3, metavar=("P", "D", "PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_fakes:
         asyncio.run(_serve_fakes())
         return 0
+    if args.serve_one_fake:
+        asyncio.run(_serve_one_fake(args.serve_one_fake))
+        return 0
+    if args.health_detect:
+        return asyncio.run(_health_detect(args))
     if args.serve_hybridpd:
         _serve_hybridpd(args.serve_hybridpd[0], args.serve_hybridpd[1], int(args.serve_hybridpd[2]))
         return 0
     if args.serve_toy:
         _serve_toy(args.serve_toy[0], args.serve_toy[1], int(args.serve_toy[2]))
         return 0
-    if args.requests < 1 or args.concurrency < 1 or args.tokens < 1:
-        ap.error("--requests, --concurrency and --tokens must be >= 1")
+    if args.requests < 1 or args.tokens < 1:
+        ap.error("--requests and --tokens must be >= 1")
     return asyncio.run(_bench(args))
 
 
