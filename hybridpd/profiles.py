@@ -40,7 +40,7 @@ def format_version(v: Version) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class VllmProfile:
-    name: str  # "0.24", "0.22.0" (a patch row), ...
+    name: str  # the minor release, "0.24" (a patch release whose code differed would get its own row)
     first: Version  # inclusive
     last: Version  # inclusive
     checked: Version  # the release whose wheel this row was read from (and cross-checked against)
@@ -51,7 +51,7 @@ class VllmProfile:
     kv_descs_per_block: int  # 2: K and V are separate descriptors (blocks-first for Mamba); 1: packed
     coalesces_contiguous_blocks: bool  # NIXL's descCount merges contiguous FA rows (dense routes)
     derives_remote_ratio: bool  # 0.20: remote ratio = ceil((conv+ssm)/kernel_page)  (bug §3.9.1)
-    remote_expansion_uses_local_ratio: bool  # < 0.22.1: arange(local ratio) for remote ids (bug §3.9.2)
+    remote_expansion_uses_local_ratio: bool  # < 0.22: arange(local ratio) for remote ids (bug §3.9.2)
     rounds_to_backend_alignment: bool  # 0.32+: attn block rounded to lcm of backends' minimum kernel block
     prefix_caching_default_hybrid: bool  # ModelConfig.is_prefix_caching_supported() for attn_type "hybrid"
     prefix_caching_mode: str  # mamba_cache_mode chosen when prefix caching is on: "all" | "align"
