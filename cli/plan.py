@@ -207,12 +207,19 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
+def _release(data: dict[str, Any]) -> str:
+    r = data.get("vllm") or {}
+    if r and not r.get("verified", True):
+        return f"{r['version']} (planned with the {r['profile']} profile, unverified)"
+    return str(r.get("version") or data["vllm_profile"])
+
+
 def verdict_line(data: dict[str, Any]) -> Verdict:
     v = data["verdict"]
     warn = f"{_plural(v['warnings'], 'warning')} ({', '.join(v['warning_codes'])})" if v["warnings"] else "no warnings"
     if v["ok"]:
         return Verdict(level="warning" if v["warnings"] else "ok",
-                       text=f"OK: vLLM {data['vllm_profile']} accepts this P/D pair; 0 errors, {warn}.")
+                       text=f"OK: vLLM {_release(data)} accepts this P/D pair; 0 errors, {warn}.")
     text = f"REFUSED: {_plural(v['errors'], 'error')}, {warn}. Top: {v['top_code']}. Fix: {v['top_fix']}"
     chk = v.get("block_fix_check")
     if chk and v["top_code"] and "block" in v["top_code"]:
@@ -258,6 +265,8 @@ def render(data: dict[str, Any]) -> Report:
         title=f"Model {m['id']}", headers=["field", "value"],
         rows=[["family / architecture", f"{m['family']} / {m['architecture']}"],
               ["layers (mamba / attention)", f"{m['layers']} ({m['mamba_layers']} / {m['attention_layers']})"],
+              ["vLLM (how chosen)", f"{_release(data)} ({data['vllm']['source']})" if "vllm" in data
+               else data["vllm_profile"]],
               ["vLLM profile / NIXL connector", f"{data['vllm_profile']} / v{data['nixl_connector_version']}"],
               ["platform / backend", f"{data['platform']} / {p['attention_backend']}"],
               ["tp ratio (D/P)", data["tp_ratio"]]]))
