@@ -385,3 +385,15 @@ def test_cpu_plan_needs_an_image_and_one_role_is_refused() -> None:
         assert "resources" not in c and "VLLM_CPU_OMP_THREADS_BIND" not in env_of(c)
     with pytest.raises(UsageError, match="--role"):
         build_manifests(lp_for(role="prefill"), K8sOptions(vllm_version="0.32.0"))
+
+
+@pytest.mark.parametrize("target", ["plain", "llm-d", "lws"])
+def test_instance_counts_become_replicas(target: str) -> None:
+    docs = docs_of(target, lp_for(num_prefill=3, num_decode=2, devices=tuple(range(10))))
+    if target == "lws":
+        roles = {r["name"]: r["spec"]["replicas"] for r in next(d for d in docs if d["kind"] == "DisaggregatedSet")
+                 ["spec"]["roles"]}
+    else:
+        roles = {d["spec"]["template"]["metadata"]["labels"]["hybridpd.io/role"]: d["spec"]["replicas"] for d in docs
+                 if d["kind"] == "Deployment" and "hybridpd.io/role" in d["spec"]["template"]["metadata"]["labels"]}
+    assert roles == {"prefill": 3, "decode": 2}
