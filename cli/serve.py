@@ -113,6 +113,9 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
               help="Proxy: whole decode leg (proxy default 1800 s).")
 @click.option("--proxy-arg", "proxy_args", multiple=True,
               help="Extra argument for the hybridpd proxy (python -m hybridpd.proxy --help), repeatable.")
+@click.option("--nixl-progress-delay-us", type=click.IntRange(0, 1_000_000), default=None,
+              help="Poll timeout of NIXL's progress thread in P and D (NIXL's Python wrapper sets 0: one idle core "
+                   "spins per agent). Default: 1000 on cpu, 0 on cuda; 0 = leave NIXL alone.")
 @click.option("--kv-lease", type=click.FloatRange(1, 86400), default=None,
               help="kv_lease_duration (s) in kv_connector_extra_config: how long P keeps KV blocks for D "
                    "(vLLM default 30 s).")
@@ -174,6 +177,7 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
         proxy_command=tuple(shlex.split(kw["proxy_command"])) if kw["proxy_command"] else None,
         router=kw["router"], router_executable=kw["vllm_router"], proxy_args=tuple(proxy_args),
         kv_extra_config=(("kv_lease_duration", kw["kv_lease"]),) if kw["kv_lease"] is not None else (),
+        nixl_progress_delay_us=0 if kw["emit"] else kw["nixl_progress_delay_us"],
         auto_block_size=kw["auto_block_size"], allow_errors=kw["force"])
     lp = build_launch_plan(model, prefill=p, decode=d, options=opts, entry=entry, vllm_version=kw["vllm_version"],
                            platform=platform, allow_network=kw["allow_network"])

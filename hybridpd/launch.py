@@ -136,6 +136,7 @@ class LaunchOptions:
     router_executable: str | None = None  # vllm-router binary; None = found by hybridpd.proxy.router
     proxy_args: tuple[str, ...] = ()  # appended to the hybridpd proxy's argv (timeouts: serve --prefill-timeout ...)
     kv_extra_config: tuple[tuple[str, Any], ...] = ()  # kv_connector_extra_config of P and D (kv_lease_duration)
+    nixl_progress_delay_us: int | None = None  # NIXL progress-thread poll timeout; None = 1000 on cpu, 0 on cuda
     auto_block_size: bool = False  # apply plan.recommended_block_size to both sides
     allow_errors: bool = False  # --force: launch despite error findings
 
@@ -482,6 +483,7 @@ def build_launch_plan(model: str, *, prefill: EngineSettings, decode: EngineSett
         else:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devs))
         env.update(dict(options.extra_env))
+        env.update(nixl_pacing_env(options, cpu, env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))))
         procs.append(ProcessSpec(
             name=f"{role}-{i}", role=role, argv=tuple(entry.argv(vmodel, flags)), env=tuple(env.items()),
             host=options.host, port=port, health_url=f"{url}/health",
@@ -497,6 +499,24 @@ def build_launch_plan(model: str, *, prefill: EngineSettings, decode: EngineSett
                     notes=tuple(notes), side_channel_host=options.side_channel_host, plan=plan)
     _check_unique(lp)
     return lp
+
+
+NIXL_HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "nixl_hook")
+
+
+def nixl_pacing_env(options: LaunchOptions, cpu: bool, pythonpath: str | None) -> dict[str, str]:
+    """Env that paces NIXL's progress thread (hybridpd/data/nixl_hook/sitecustomize.py says how and why).
+
+    NIXL's Python wrapper hard-codes the progress-thread poll timeout to 0: one core spins per agent while idle,
+    which on a small CPU host starves the engines (issue #12: 48 % and 91 % of a core at idle on 2 cores).
+    Default 1000 us on cpu; 0 (NIXL's own behaviour) on cuda, where cores are plentiful and latency matters."""
+    delay = options.nixl_progress_delay_us
+    if delay is None:
+        delay = 1000 if cpu else 0
+    if delay <= 0:
+        return {}
+    return {"HYBRIDPD_NIXL_PTHR_DELAY_US": str(delay),
+            "PYTHONPATH": NIXL_HOOK_DIR + (os.pathsep + pythonpath if pythonpath else "")}
 
 
 def _check_unique(lp: LaunchPlan) -> None:

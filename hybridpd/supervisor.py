@@ -69,12 +69,28 @@ class Child:
         return self.proc.pid
 
 
-def http_ok(url: str, timeout: float = 2.0) -> bool:
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    """The HTTP status of GET url, None when nothing answered within ``timeout``."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (local URLs from the plan)
-            return bool(200 <= r.status < 300)
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
     except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    status = http_status(url, timeout)
+    return status is not None and 200 <= status < 300
+
+
+def alive_answer(role: str, status: int | None) -> bool:
+    """Liveness: a vLLM server must answer /health with 2xx (503 = its engine is dead); the proxy only has to
+    answer at all (its /health is 503 while a backend is down, which is not the proxy's failure)."""
+    if status is None:
         return False
+    return True if role == "proxy" else 200 <= status < 300
 
 
 class HealthProgress(Protocol):
@@ -278,7 +294,7 @@ class Supervisor:
                 self._on_death(child, f"not healthy after {self.health_timeout_s:.0f} s")
         elif child.state == "healthy" and now >= child.next_probe:
             child.next_probe = now + self.health_interval_s
-            if http_ok(child.spec.health_url, timeout=self.probe_timeout_s):
+            if alive_answer(child.spec.role, http_status(child.spec.health_url, timeout=self.probe_timeout_s)):
                 child.last_ok = now
                 if child.restarts and now - child.healthy_since > self.restart_reset_s:
                     child.restarts = 0
