@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .k8s import Ctx
+    from .k8s_base import Ctx
 
 SIDECAR_IMAGE = "ghcr.io/llm-d/llm-d-routing-sidecar:v0.8.0"
 EPP_IMAGE = "ghcr.io/llm-d/llm-d-inference-scheduler:v0.8.0"
@@ -62,7 +62,7 @@ def epp_config() -> dict[str, Any]:
 
 
 def sidecar(image: str) -> dict[str, Any]:
-    from .k8s import DECODE_PORT, SIDECAR_PORT
+    from .k8s_base import DECODE_PORT, SIDECAR_PORT
 
     return {
         "name": "routing-proxy", "image": image, "imagePullPolicy": "IfNotPresent",
@@ -76,7 +76,7 @@ def sidecar(image: str) -> dict[str, Any]:
 
 
 def pod_spec(ctx: Ctx, role: str) -> dict[str, Any]:
-    from .k8s import DECODE_PORT, PREFILL_PORT, SHM_VOLUME, server_container
+    from .k8s_base import DECODE_PORT, PREFILL_PORT, SHM_VOLUME, server_container
 
     p = ctx.lp.by_role(role)[0]
     port = DECODE_PORT if role == "decode" else PREFILL_PORT
@@ -90,7 +90,7 @@ def pod_spec(ctx: Ctx, role: str) -> dict[str, Any]:
 
 
 def inference_pool(ctx: Ctx, name: str, key: str) -> dict[str, Any]:
-    from .k8s import PREFILL_PORT
+    from .k8s_base import PREFILL_PORT
 
     return {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": ctx.meta(name),
             "spec": {"selector": {"matchLabels": ctx.pool_selector(key)},
@@ -101,7 +101,7 @@ def inference_pool(ctx: Ctx, name: str, key: str) -> dict[str, Any]:
 
 def epp_objects(ctx: Ctx, pool: str) -> list[dict[str, Any]]:
     """ServiceAccount, Role, RoleBinding, ConfigMap, Deployment and Service of one pool's EPP."""
-    from .k8s import to_yaml
+    from .k8s_base import to_yaml
 
     name = f"{pool}-epp"
     labels = {"app.kubernetes.io/name": name}
@@ -184,7 +184,7 @@ def http_route(ctx: Ctx, pool: str) -> dict[str, Any]:
 
 
 def build(ctx: Ctx) -> list[dict[str, Any]]:
-    from .k8s import deployment
+    from .k8s_base import deployment
 
     docs: list[dict[str, Any]] = []
     if ctx.opts.target == "lws":
