@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .layout import SideLayout
 from .profiles import Target, format_version
 from .semantics import OUTSIDE_CONV, check_conv
-from .transfer import RankRoute
+from .transfer import RankRoute, prefill_backoff
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 
@@ -89,7 +89,7 @@ def unsupported_mamba(ctx: Context) -> Iterator[Finding]:
                       message=f"{m.model_id} uses {kind} layers; vLLM {prof.name}'s NixlConnector moves only {moves} "
                               "state (derive_mamba_conv_split raises NotImplementedError)",
                       fix="serve it without P/D" + (f", or use vLLM >= {first}" if first else ""))
-    elif m.mamba is None:
+    elif not m.state_modelled:
         yield Finding(severity=ERROR, code="layout-not-modelled",
                       message=f"vLLM {prof.name} can move {kind} state, but hybridpd does not model the {kind} "
                               "layout yet: no byte or descriptor figures for this model",
@@ -322,9 +322,15 @@ def prefix_caching(ctx: Context) -> Iterator[Finding]:
 @rule
 def spec_decode(ctx: Context) -> Iterator[Finding]:
     if ctx.p.settings.num_speculative_tokens and ctx.p.model.has_mamba:
+        prof = ctx.p.profile
+        hashed = ("it is part of the NIXL compatibility hash, so a mismatch fails the handshake"
+                  if "speculative_config" in prof.compat_hash_fields
+                  else "the compatibility hash ignores it, so a mismatch pairs silently")
+        back = (f"; P leaves {prefill_backoff(ctx.p)} prompt tokens to D (max(1, lookahead - 1), taking "
+                "--num-speculative-tokens as a multi-module MTP lookahead)" if prof.backoff_uses_lookahead else "")
         yield Finding(severity=WARNING, code="spec-decode",
                       message=f"{ctx.p.settings.num_speculative_tokens} speculative tokens add rows to every conv state; "
-                              "vLLM does not validate spec decode across P/D and the compatibility hash ignores it",
+                              f"vLLM {prof.name} does not validate spec decode across P/D and {hashed}{back}",
                       fix="run P and D with the same --num-speculative-tokens, and verify")
 
 
