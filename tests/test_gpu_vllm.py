@@ -13,7 +13,9 @@ Per model style (NemotronH-style n_groups 2, Granite-style n_groups 1; seeded ra
 Needs an NVIDIA GPU and CUDA vLLM importable by ``HYBRIDPD_VLLM_PYTHON`` (default: this interpreter); skipped
 otherwise. The release is the one installed there and every hybridpd command gets its ``--vllm-version``.
 Knobs: ``HYBRIDPD_VLLM_EXAMPLES`` (make_hybrid.py's folder), ``HYBRIDPD_GPU_LOGDIR`` (keep server logs there),
-``HYBRIDPD_GPU_KINDS`` (comma list, default both). The device runs: bench/gpu_vllm/README.md.
+``HYBRIDPD_GPU_KINDS`` (comma list, default both), ``HYBRIDPD_GPU_SERVE_ENV`` (``KEY=VALUE ...`` for the vLLM
+servers only; vLLM 0.24.0 needs a transformers without the layer-type remap for Granite, see
+docs/gpu-vllm-2026-12-01.md). The device runs: bench/gpu_vllm/README.md.
 """
 
 from __future__ import annotations
@@ -81,10 +83,19 @@ def _logdir(tmp_path: Path) -> Path:
     return d
 
 
+# transformers 5 writes Granite's layer_types as linear_attention/full_attention; vLLM 0.24 reads only the names of
+# the published checkpoints (mamba/attention: KeyError 'linear_attention' on the H200), which 0.26 reads as well
+GRANITE_LAYER_NAMES = {"linear_attention": "mamba", "full_attention": "attention"}
+
+
 def make_model(kind: str, dst: Path) -> Path:
     r = subprocess.run([VLLM_PY, str(EXAMPLES / "make_hybrid.py"), kind, str(dst), "--weights"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    cfg = json.loads((dst / "config.json").read_text())
+    if "layer_types" in cfg:
+        cfg["layer_types"] = [GRANITE_LAYER_NAMES.get(t, t) for t in cfg["layer_types"]]
+        (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     return dst
 
 
@@ -104,6 +115,7 @@ def running_pd(model: Path, logs: Path, tag: str) -> Iterator[dict[str, str]]:
            "--vllm-command", f"{VLLM_PY} -m vllm.entrypoints.cli.main",
            "--prefill-port", str(pp), "--decode-port", str(dp), "--proxy-port", str(xp), "--side-channel-port", str(sp),
            f"--prefill-arg=--max-num-batched-tokens={N - 1}",
+           *[f"--env={kv}" for kv in os.environ.get("HYBRIDPD_GPU_SERVE_ENV", "").split()],
            "--", "--enforce-eager", "--seed", "0", "--max-num-seqs", "16", "--load-format", "auto"]
     out, err = logs / f"{tag}.serve.out", logs / f"{tag}.serve.err"
     (logs / f"{tag}.serve.cmd").write_text(" ".join(cmd) + "\n")

@@ -37,7 +37,7 @@ def per_length(run: Path) -> list[dict[str, Any]]:
             continue
         xfer = [r["xfer_s"] / max(r["xfer_n"], 1) for r in got]
         post = [r["post_s"] / max(r["xfer_n"], 1) for r in got]
-        out.append({"run": run.name, "isl": t["isl"], "n": len(got), "reads": t["reads"],
+        out.append({"run": run.parent.name if run.name == "logs" else run.name, "isl": t["isl"], "n": len(got), "reads": t["reads"],
                     "plan_bytes": t["bytes"], "plan_descriptors": t["descriptors"], "naive_bytes": t["naive_bytes"],
                     "bytes": sorted({int(r["bytes"]) for r in got}), "descriptors": sorted({int(r["descriptors"]) for r in got}),
                     "transfers": sorted({int(r["transfers"]) for r in got}), "failed": sum(r["failed"] for r in got),

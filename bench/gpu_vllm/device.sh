@@ -43,6 +43,8 @@ unpack)
   t=$(date +%s)
   (cd "$H/$V/pieces" && cat $(awk '{print $2}' "$REPO/.gvs/sums-$V.txt" | sort -V)) | tar xzf - -C "$H/$V" || exit 3
   echo "unpacked $V: $(du -sh "$H/$V/pack" | cut -f1) in $(( $(date +%s) - t )) s" ;;
+untar)  # untar SRC.tgz DST: an extra carried tree (e.g. an older transformers for vLLM 0.24's Granite)
+  mkdir -p "$2" && tar xzf "$1" -C "$2" && echo "untarred $1 into $2 ($(du -sh "$2" | cut -f1))" ;;
 probe)
   date; uname -srm; nproc; free -g | head -2; df -h /tmp | tail -1
   nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv
