@@ -74,6 +74,12 @@ def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict
         raise SystemExit(1)
 
 
+def _conv_parts(p: dict[str, Any], d: dict[str, Any]) -> list[str]:
+    """The conv sub-projections of this model (x/B/C Mamba2, x Mamba-1, Q/K/V GatedDeltaNet)."""
+    split = p["conv_split"] or d["conv_split"]
+    return [k for k in split if k != "state_len"] if split else ["x", "B", "C"]
+
+
 def _side_rows(p: dict[str, Any], d: dict[str, Any]) -> list[list[Any]]:
     def shape(v: Any) -> str:
         return "x".join(map(str, v)) if v else "-"
@@ -85,8 +91,8 @@ def _side_rows(p: dict[str, Any], d: dict[str, Any]) -> list[list[Any]]:
          f"{d['kv_cache_dtype']} / {d['conv_dtype']} / {d['ssm_dtype']}"],
         ["conv state SD / DS", f"{shape(p['conv_state_shape_sd'])} / {shape(p['conv_state_shape_ds'])}",
          f"{shape(d['conv_state_shape_sd'])} / {shape(d['conv_state_shape_ds'])}"],
-        ["x / B / C channels",
-         *(f"{s['conv_split']['x']} / {s['conv_split']['B']} / {s['conv_split']['C']}" if s["conv_split"] else "-"
+        [" / ".join(_conv_parts(p, d)) + " channels",
+         *(" / ".join(str(s["conv_split"][k]) for k in _conv_parts(p, d)) if s["conv_split"] else "-"
            for s in (p, d))],
         ["SSM state", shape(p["ssm_state_shape"]), shape(d["ssm_state_shape"])],
         ["conv + ssm bytes", f"{p['conv_state_bytes']:,} + {p['ssm_state_bytes']:,}",
@@ -280,18 +286,20 @@ def render(data: dict[str, Any]) -> Report:
         ds = side["descriptors"]
         mb = ds["mamba_desc_bytes"]
         rows.append([side["role"], ds["regions"], ds["fa_regions"], ds["mamba_regions"], ds["fa_desc_bytes"],
-                     f"{mb['x']}/{mb['B']}/{mb['C']}/{mb['ssm']}", ds["num_fa_descs"], ds["local_descs"]])
+                     "/".join(str(v) for v in mb.values()), ds["num_fa_descs"], ds["local_descs"]])
+    parts = _conv_parts(p, d)
     rep.tables.append(Table(title="NIXL descriptors (per rank)",
                             headers=["side", "regions", "FA regions", "Mamba regions", "FA desc B",
-                                     "x/B/C/SSM desc B", "num_descs (FA/Mamba boundary)", "local descs"],
+                                     "/".join(parts) + "/SSM desc B", "num_descs (FA/Mamba boundary)", "local descs"],
                             rows=rows, caption="desc id: FA r*N_phys+b; Mamba num_fa_descs+m*N_log+b"))
     if data["conv_offsets"]:
         rows = []
         for r in data["conv_offsets"]:
             for s in r["sources"]:
-                rows.append([r["rank"], s["p_rank"], sp(s["fa"]), sp(s["x"]), sp(s["B"]), sp(s["C"]), sp(s["ssm"])])
+                conv = s.get("conv") or {}
+                rows.append([r["rank"], s["p_rank"], sp(s["fa"]), *(sp(conv.get(k)) for k in parts), sp(s["ssm"])])
         rep.tables.append(Table(title="Per D rank reads (offset+length in P's page)",
-                                headers=["D rank", "P rank", "FA", "x", "B", "C", "SSM"], rows=rows))
+                                headers=["D rank", "P rank", "FA", *parts, "SSM"], rows=rows))
     if data["transfer"]:
         est = data.get("calibration") is not None
         rows = []

@@ -2,7 +2,8 @@
 
 Layout of ids (reference §3.4; 0.32 packs K+V so ``fa_regions = T``):
   FA:    id = r * N_phys + b            r < fa_regions, b a kernel block
-  Mamba: id = num_fa_descs + m * N_log + b   m = 4*tensor + {x:0, B:1, C:2, SSM:3}, b a logical block
+  Mamba: id = num_fa_descs + m * N_log + b   m = n*tensor + sub-projection (Mamba2 x:0 B:1 C:2 SSM:3, n = 4;
+         GatedDeltaNet Q K V SSM, n = 4; Mamba-1 x:0 SSM:1, n = 2), b a logical block
 Groups are concatenated in group order; within a group, region-major then block.  numpy is imported
 here only (never by `plan`).
 """
@@ -63,7 +64,7 @@ def local_table(side: SideLayout, bases: list[int], n_log: int) -> DescTable:
                   else (np.zeros(0, np.uint64), np.zeros(0, np.uint64)))
     spans: list[tuple[int, int]] = []
     if side.mamba is not None and side.mamba_groups:
-        spans = [*side.mamba.conv.local_offsets(), (side.mamba.conv_bytes, side.mamba.ssm_bytes)]
+        spans = list(side.mamba.desc_spans())
     m_a, m_l = _mamba_part(b[:side.num_ssm_slots], n_log, side.page_size_bytes, spans)
     return DescTable(addr=np.concatenate([fa_a, m_a]), length=np.concatenate([fa_l, m_l]),
                      num_fa_descs=int(fa_a.shape[0]), n_phys=n_phys, n_log=n_log)
@@ -82,7 +83,7 @@ def remote_table(p: SideLayout, src: SourceRead, bases: list[int], n_log: int) -
         fa_a, fa_l = _fa_part(b, n_phys, kp, kvd, 0, None, 0)
     else:
         fa_a, fa_l = np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-    spans = [s for s in (src.x, src.b, src.c, src.ssm) if s is not None]
+    spans = list(src.mamba_spans)
     m_a, m_l = _mamba_part(b[:p.num_ssm_slots], n_log, p.page_size_bytes, spans)
     return DescTable(addr=np.concatenate([fa_a, m_a]), length=np.concatenate([fa_l, m_l]),
                      num_fa_descs=int(fa_a.shape[0]), n_phys=n_phys, n_log=n_log)
@@ -132,7 +133,7 @@ def strided_rows(side: SideLayout, bases: list[int], n_log: int, dev: int = 0) -
         parts.append(fa)
         n_fa = fa.shape[0]
     if side.mamba is not None and side.mamba_groups:
-        spans = [*side.mamba.conv.local_offsets(), (side.mamba.conv_bytes, side.mamba.ssm_bytes)]
+        spans = list(side.mamba.desc_spans())
         mb = b[:side.num_ssm_slots]
         starts = (mb[:, None] + np.asarray([o for o, _ in spans], dtype=np.uint64)[None, :]).reshape(-1)
         lens = np.tile(np.asarray([ln for _, ln in spans], dtype=np.uint64), mb.shape[0])
@@ -160,7 +161,8 @@ def request_desc_ids(side: SideLayout, table: DescTable, block_ids: list[list[in
         else:
             if not mamba or blk.size == 0:
                 continue
-            regions = np.arange(4 * side.num_ssm_slots, dtype=np.int64)[:, None]
+            assert side.mamba is not None
+            regions = np.arange(side.mamba.regions_per_slot * side.num_ssm_slots, dtype=np.int64)[:, None]
             out.append((table.num_fa_descs + regions * table.n_log + blk[None, :]).reshape(-1))
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
@@ -177,7 +179,7 @@ def loop_local_table(side: SideLayout, bases: list[int], n_log: int) -> list[tup
                 for blk in range(n_phys):
                     out.append((base + blk * kp + half * (kp // kvd), kp // kvd))
     if side.mamba is not None and side.mamba_groups:
-        spans = [*side.mamba.conv.local_offsets(), (side.mamba.conv_bytes, side.mamba.ssm_bytes)]
+        spans = list(side.mamba.desc_spans())
         for base in bases[:side.num_ssm_slots]:
             for off, ln in spans:
                 for blk in range(n_log):

@@ -32,6 +32,26 @@ class MambaDims:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Mamba1Dims:
+    """Mamba-1 mixer geometry (Jamba) as ``MambaStateShapeCalculator.mamba1_state_shape`` receives it."""
+
+    intermediate_size: int  # mamba_expand * hidden_size
+    state_size: int  # mamba_d_state
+    conv_kernel: int  # mamba_d_conv
+
+
+@dataclass(frozen=True, kw_only=True)
+class GdnDims:
+    """GatedDeltaNet geometry (Qwen3-Next) as ``gated_delta_net_state_shape`` receives it."""
+
+    num_k_heads: int  # linear_num_key_heads
+    num_v_heads: int  # linear_num_value_heads
+    head_k_dim: int  # linear_key_head_dim
+    head_v_dim: int  # linear_value_head_dim
+    conv_kernel: int  # linear_conv_kernel_dim
+
+
+@dataclass(frozen=True, kw_only=True)
 class AttentionDims:
     num_heads: int
     num_kv_heads: int
@@ -64,6 +84,10 @@ class ModelSpec:
     mamba_type: str | None  # "mamba2" | "mamba1" | "gdn" | None
     layer_pattern: str  # one char per decoder layer: M * - E H(both)
     mamba_chunk_size: int | None = None
+    # state geometry of the non-Mamba2 recurrent families (``mamba`` holds Mamba2 only)
+    recurrent: Mamba1Dims | GdnDims | None = None
+    # the model class implements SupportsMambaPrefixCaching (mamba_cache_mode "all" allowed, else "align")
+    mamba_prefix_caching: bool = True
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -81,6 +105,11 @@ class ModelSpec:
     @property
     def has_mamba(self) -> bool:
         return bool(self.mamba_layers)
+
+    @property
+    def state_modelled(self) -> bool:
+        """hybridpd knows this model's recurrent-state geometry (Mamba2, Mamba-1 or GatedDeltaNet)."""
+        return self.mamba is not None or self.recurrent is not None
 
 
 # Accepted ranges: generous against every published checkpoint, small enough that `plan` stays fast and
@@ -446,7 +475,16 @@ def _jamba(raw: RawModel, cfg: _Cfg) -> ModelSpec:
                           field="attn_layer_offset", fix="set attn_layer_offset in 0..attn_layer_period-1")
     kinds = ["*" if i % period == off else "M" for i in range(n)]
     layers, pat = _layers(kinds)
-    spec = _spec(raw, cfg, "jamba", layers, pat, None, _attention_dims(cfg), "mamba1")
+    # JambaForCausalLM.get_mamba_state_shape_from_config: mamba1_state_shape(mamba_expand * hidden_size,
+    # mamba_d_state, mamba_d_conv); defaults are transformers' JambaConfig ones
+    hidden = cfg.int("hidden_size")
+    expand = cfg.int("mamba_expand", default=2, bounds=EXPAND)
+    if expand * hidden > WIDTH[1]:
+        raise ConfigError(f"mamba_expand * hidden_size = {expand * hidden} is more than {WIDTH[1]} channels",
+                          field="mamba_expand", fix=f"set mamba_expand so that mamba_expand * hidden_size <= {WIDTH[1]}")
+    rec = Mamba1Dims(intermediate_size=expand * hidden, state_size=cfg.int("mamba_d_state", default=16, bounds=STATE),
+                     conv_kernel=cfg.int("mamba_d_conv", default=4, bounds=CONV_KERNEL))
+    spec = _spec(raw, cfg, "jamba", layers, pat, None, _attention_dims(cfg), "mamba1", recurrent=rec)
     return spec
 
 
@@ -458,7 +496,21 @@ def _qwen3_next(raw: RawModel, cfg: _Cfg) -> ModelSpec:
         kinds = ["*" if (i + 1) % interval == 0 else "M" for i in range(n)]
     _check_count(cfg, "layer_types", kinds, n)
     layers, pat = _layers(kinds)
-    return _spec(raw, cfg, "qwen3_next", layers, pat, None, _attention_dims(cfg), "gdn")
+    # Qwen3NextForCausalLM.get_mamba_state_shape_from_config: gated_delta_net_state_shape(linear_* keys)
+    nk = cfg.int("linear_num_key_heads", bounds=HEADS)
+    nv = cfg.int("linear_num_value_heads", bounds=HEADS)
+    if nv % nk:
+        raise ConfigError(f"linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk}",
+                          field="linear_num_value_heads", fix="make linear_num_value_heads a multiple of the key heads")
+    rec = GdnDims(num_k_heads=nk, num_v_heads=nv, head_k_dim=cfg.int("linear_key_head_dim", bounds=HEAD_DIM),
+                  head_v_dim=cfg.int("linear_value_head_dim", bounds=HEAD_DIM),
+                  conv_kernel=cfg.int("linear_conv_kernel_dim", default=4, bounds=CONV_KERNEL))
+    if 2 * rec.num_k_heads * rec.head_k_dim + rec.num_v_heads * rec.head_v_dim > WIDTH[1]:
+        raise ConfigError(f"the GatedDeltaNet conv dim is more than {WIDTH[1]} channels", field="linear_num_key_heads",
+                          fix="check the linear_* head counts and dims")
+    # no SupportsMambaPrefixCaching: mamba_cache_mode "all" falls back to "align" (model_executor/models/config.py)
+    return _spec(raw, cfg, "qwen3_next", layers, pat, None, _attention_dims(cfg), "gdn", recurrent=rec,
+                 mamba_prefix_caching=False)
 
 
 def _rejected(raw: RawModel, cfg: _Cfg, mamba_type: str, what: str) -> ModelSpec:
@@ -479,13 +531,16 @@ def _architecture(cfg: _Cfg, family: str) -> str:
 
 def _spec(raw: RawModel, cfg: _Cfg, family: str, layers: tuple[CacheLayer, ...], pattern: str,
           mamba: MambaDims | None, attn: AttentionDims | None, mamba_type: str | None,
-          hf_ssm: str | None = None) -> ModelSpec:
+          hf_ssm: str | None = None, recurrent: Mamba1Dims | GdnDims | None = None,
+          mamba_prefix_caching: bool = True) -> ModelSpec:
     arch = _architecture(cfg, family)
     dtype = _model_dtype(cfg)
     mpe = cfg.int("max_position_embeddings", bounds=POSITIONS) if cfg.raw.get("max_position_embeddings") is not None \
         else None
     chunk_key = next((k for k in ("chunk_size", "mamba_chunk_size") if cfg.raw.get(k) is not None), None)
     chunk = cfg.int(chunk_key, bounds=CHUNK) if chunk_key else None
+    if recurrent is not None and chunk is None:
+        chunk = 2048  # ModelConfig.get_mamba_chunk_size: "Mamba1 does not have a chunk notion" default
     notes = list(cfg.notes)
     conf = raw.provenance.get("_confidence") if raw.provenance else None
     if isinstance(conf, dict) and conf.get("not_found"):
@@ -494,8 +549,8 @@ def _spec(raw: RawModel, cfg: _Cfg, family: str, layers: tuple[CacheLayer, ...],
         model_id=raw.model_id, source=raw.source, family=family, architecture=arch,
         num_hidden_layers=len(pattern), cache_layers=layers, mamba=mamba, attention=attn, model_dtype=dtype,
         hf_mamba_ssm_cache_dtype=hf_ssm, kv_cache_quant=_kv_quant(raw), max_position_embeddings=mpe,
-        mamba_type=mamba_type, layer_pattern=pattern, mamba_chunk_size=chunk if mamba else None,
-        notes=tuple(notes))
+        mamba_type=mamba_type, layer_pattern=pattern, mamba_chunk_size=chunk if (mamba or recurrent) else None,
+        recurrent=recurrent, mamba_prefix_caching=mamba_prefix_caching, notes=tuple(notes))
 
 
 _BY_MODEL_TYPE: dict[str, Callable[[RawModel, _Cfg], ModelSpec]] = {

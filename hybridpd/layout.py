@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from . import dtypes
 from .errors import UsageError
 from .families import ATTENTION, MAMBA, ModelSpec
-from .mamba import MambaRankState, rank_channels
+from .mamba import RankState, rank_state
 from .profiles import KernelSizes, PlatformProfile, VllmProfile
 from .settings import EngineSettings
 
@@ -52,7 +52,7 @@ class SideLayout:
     platform: PlatformProfile
     backend: str | None
     dtypes: Dtypes
-    mamba: MambaRankState | None
+    mamba: RankState | None  # the rank's recurrent state (Mamba2, Mamba-1 or GatedDeltaNet)
     num_kv_heads: int  # per rank
     kv_heads_replicated: bool
     attn_bytes_per_token: int  # a1: K+V bytes of one token on one rank (0 if attention-free)
@@ -184,14 +184,11 @@ def side_layout(model: ModelSpec, s: EngineSettings, profile: VllmProfile, platf
     errors: list[str] = []
     dt = resolve_dtypes(model, s, profile, platform)
     kv_elem = dtypes.size_of(dt.kv)
-    mamba = None
-    if model.mamba is not None:
-        mamba = MambaRankState(dims=model.mamba, tp=s.tp, num_spec=s.num_speculative_tokens,
-                               conv_dtype=dt.conv, conv_elem=dtypes.size_of(dt.conv),
-                               ssm_dtype=dt.ssm, ssm_elem=dtypes.size_of(dt.ssm))
+    mamba = rank_state(model, tp=s.tp, num_spec=s.num_speculative_tokens, conv_dtype=dt.conv,
+                       conv_elem=dtypes.size_of(dt.conv), ssm_dtype=dt.ssm, ssm_elem=dtypes.size_of(dt.ssm))
+    if mamba is not None:
         try:
-            _ = mamba.conv, mamba.heads
-            rank_channels(model.mamba, s.tp, 0)  # n_groups vs TP: MambaMixer2's assert, a finding not a crash (#16)
+            mamba.validate()  # TP vs heads / n_groups: the mixer's assert, a finding not a crash (#16)
         except UsageError as e:
             errors.append(str(e))
             mamba = None
@@ -205,6 +202,8 @@ def side_layout(model: ModelSpec, s: EngineSettings, profile: VllmProfile, platf
         prefix = profile.prefix_caching_default_hybrid if model.has_mamba else True
     if model.has_mamba:
         mode = profile.prefix_caching_mode if prefix else "none"
+        if mode == "all" and not model.mamba_prefix_caching:
+            mode = "align"  # no SupportsMambaPrefixCaching: vLLM falls back to 'align'
     else:
         mode = "none"
 
@@ -235,8 +234,13 @@ def side_layout(model: ModelSpec, s: EngineSettings, profile: VllmProfile, platf
                 need = chunk * cdiv(cdiv(mamba_page, a1), chunk)
                 how = f"prefix caching ('all'): multiple of lcm(chunk {model.mamba_chunk_size}, {align}) = {chunk}"
             else:
+                ckpt = mamba.prefill_checkpoint_alignment(platform) if (
+                    mode == "align" and profile.checkpoint_alignment) else None
+                if ckpt:
+                    align = math.lcm(align, ckpt)
                 need = align * cdiv(mamba_page, align * a1)
-                how = f"multiple of {align}"
+                how = f"multiple of {align}" + (f" (lcm with the {ckpt}-token prefill checkpoint alignment)"
+                                                 if ckpt else "")
                 if profile.rounds_to_backend_alignment:
                     need = ks.min_base * cdiv(need, ks.min_base)
             if block < need:

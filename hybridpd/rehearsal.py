@@ -77,6 +77,9 @@ def refuse_if_vllm_refuses(plan: Plan) -> None:
                          fix="run `hybridpd plan` to see why")
     if not plan.prefill.attention_groups:
         raise UsageError("refused: attention-free model, no P/D transfer to rehearse")
+    if plan.prefill.mamba is not None and plan.model.mamba is None:
+        raise UsageError(f"refused: the rehearsal models Mamba2 state only; {plan.model.model_id} has "
+                         f"{plan.model.mamba_type} layers", fix="use `hybridpd plan` for its figures")
     if plan.prefill.settings.conv_layout != "DS":
         raise UsageError("refused: the rehearsal models the DS conv layout only", field="--conv-layout", fix="use DS")
 

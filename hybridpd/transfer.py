@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .layout import SideLayout, cdiv
+from .mamba import MAMBA2_PARTS
 
 Span = tuple[int, int]  # (offset, length) in bytes
 
@@ -40,16 +41,25 @@ class SourceRead:
     p_rank: int
     fa: Span | None  # offset inside P's kernel page and length of ONE FA descriptor (K, or K+V packed)
     fa_v_offset: int | None  # offset of the V descriptor when K and V move separately
-    x: Span | None
+    x: Span | None  # Mamba2's x, B, C (the same spans as ``conv``; None for other families)
     b: Span | None
     c: Span | None
     ssm: Span | None  # offset inside P's Mamba page
     local_slot: int  # which 1/k of each local sub-region this source fills (P TP > D TP), else 0
     local_parts: int  # k (P TP > D TP), else 1
+    conv: tuple[Span, ...] | None = None  # one span per conv sub-projection (x|B|C, x, or Q|K|V), inside P's page
+    conv_names: tuple[str, ...] = ()
+
+    @property
+    def mamba_spans(self) -> tuple[Span, ...]:
+        """Every Mamba descriptor's span, in descriptor order: sub-projections, then the SSM state."""
+        if self.conv is None:
+            return ()
+        return (*self.conv, *((self.ssm,) if self.ssm else ()))
 
     @property
     def mamba_bytes(self) -> int:
-        return sum(s[1] for s in (self.x, self.b, self.c, self.ssm) if s)
+        return sum(s[1] for s in self.mamba_spans)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +73,17 @@ class RankRoute:
 
     @property
     def mamba_sources(self) -> tuple[SourceRead, ...]:
-        return tuple(s for s in self.sources if s.x is not None)
+        return tuple(s for s in self.sources if s.conv is not None)
+
+
+def _source(d: SideLayout, pr: int, fa: Span | None, v_off: int | None, conv: tuple[Span, ...] | None,
+            ssm: Span | None, slot: int, parts: int) -> SourceRead:
+    names = d.mamba.conv.names if (d.mamba is not None and conv is not None) else ()
+    x = b = c = None
+    if conv is not None and names == MAMBA2_PARTS:
+        x, b, c = conv
+    return SourceRead(p_rank=pr, fa=fa, fa_v_offset=v_off, x=x, b=b, c=c, ssm=ssm, local_slot=slot,
+                      local_parts=parts, conv=conv, conv_names=names)
 
 
 def routes(p: SideLayout, d: SideLayout) -> tuple[RankRoute, ...]:
@@ -85,13 +105,11 @@ def routes(p: SideLayout, d: SideLayout) -> tuple[RankRoute, ...]:
                 head_off = (d_heads[0] - p_heads[0]) * per_head_p * (2 // kvd)  # K half per head, or K+V
                 fa = (head_off, d_fa_len)
                 v_off = head_off + p.kernel_page_bytes // 2 if kvd == 2 else None
-            x = b = c = ssm = None
+            conv = ssm = None
             if d.mamba is not None and p.mamba is not None:
-                xb, bb = d.mamba.conv.x_bytes, d.mamba.conv.b_bytes
-                x, b, c = remote_conv_offsets(r % t, t, xb, bb)
+                conv = d.mamba.conv.remote_offsets(r % t, t)
                 ssm = (p.mamba.conv_bytes + (r % t) * d.mamba.ssm_bytes, d.mamba.ssm_bytes)
-            srcs.append(SourceRead(p_rank=pr, fa=fa, fa_v_offset=v_off, x=x, b=b, c=c, ssm=ssm,
-                                   local_slot=0, local_parts=1))
+            srcs.append(_source(d, pr, fa, v_off, conv, ssm, 0, 1))
         else:
             k = -t
             seen_heads: set[tuple[int, ...]] = set()
@@ -110,13 +128,11 @@ def routes(p: SideLayout, d: SideLayout) -> tuple[RankRoute, ...]:
                 if pr in fa_src:
                     fa = (0, d_fa_len // n_fa)
                     v_off = p.kernel_page_bytes // 2 if kvd == 2 else None
-                x = b = c = ssm = None
+                conv = ssm = None
                 if d.mamba is not None and p.mamba is not None:
-                    xb, bb = d.mamba.conv.x_bytes // k, d.mamba.conv.b_bytes // k
-                    x, b, c = (0, xb), (xb, bb), (xb + bb, bb)
+                    conv = d.mamba.conv.remote_offsets(0, t)
                     ssm = (p.mamba.conv_bytes, d.mamba.ssm_bytes // k)
-                srcs.append(SourceRead(p_rank=pr, fa=fa, fa_v_offset=v_off, x=x, b=b, c=c, ssm=ssm,
-                                       local_slot=j, local_parts=k))
+                srcs.append(_source(d, pr, fa, v_off, conv, ssm, j, k))
         out.append(RankRoute(rank=r, sources=tuple(srcs)))
     return tuple(out)
 
@@ -210,10 +226,11 @@ def request_transfer(p: SideLayout, d: SideLayout, rts: tuple[RankRoute, ...], i
                 fa_bytes += n_fa * s.fa[1]
                 descs += n_fa
                 descs_min += (T * len(p.attention_groups) * kvd if blocks else 0) if merge else n_fa
-            if s.x is not None and G:
+            if s.conv is not None and G:
+                n_m = len(s.mamba_spans) * Ts * G  # (sub-projections + SSM) per slot holding SSM state
                 mamba_bytes += Ts * G * s.mamba_bytes
-                descs += 4 * Ts * G
-                descs_min += 4 * Ts * G
+                descs += n_m
+                descs_min += n_m
         naive = fa_bytes + Ts * G * d.page_size_bytes if d.mamba is not None else fa_bytes
         per.append(RankRequest(rank=rt.rank, fa_bytes=fa_bytes, mamba_bytes=mamba_bytes, naive_bytes=naive,
                                descriptors=descs, descriptors_min=descs_min, reads=len(rt.sources)))
@@ -226,24 +243,33 @@ class DescriptorLayout:
 
     regions: int  # registered memory regions (shared tensors)
     fa_regions: int  # virtual FA regions (2T when K/V separate, T when packed)
-    mamba_regions: int  # 4*T_ssm (x, B, C, SSM per slot holding SSM state) when the model has Mamba
+    mamba_regions: int  # (sub-projections + 1) * T_ssm: 4 (x|B|C or Q|K|V, SSM) or 2 (Mamba-1 x, SSM) per slot
     fa_desc_len: int  # bytes per FA descriptor (local)
-    mamba_desc_lens: tuple[int, int, int, int]  # x, B, C, SSM
+    mamba_desc_lens: tuple[int, ...]  # per slot: each conv sub-projection, then SSM
     num_phys_blocks: int | None  # N_phys = N_log * ratio
     num_logical_blocks: int | None
     num_fa_descs: int | None  # the FA/Mamba boundary in desc ids
     local_descs: int | None
     registered_rows: int | None  # rows handed to NIXL: local_descs, or (0.33 strided) one per region run
+    mamba_desc_names: tuple[str, ...] = ("x", "B", "C", "ssm")  # names of mamba_desc_lens
+
+    @property
+    def mamba_id_formula(self) -> str:
+        conv = self.mamba_desc_names[:-1]
+        n = len(self.mamba_desc_names)
+        named = ",".join(f"{c}:{i}" for i, c in enumerate((*conv, "SSM")))
+        return f"num_fa_descs + m * N_log + b   (m = {n}*tensor + {{{named}}}, b = logical block)"
+
     @staticmethod
     def of(side: SideLayout) -> DescriptorLayout:
         T = side.num_shared_tensors
         kvd = side.profile.kv_descs_per_block
         fa_regions = T * kvd if side.attention_groups else 0
-        mamba_regions = 4 * side.num_ssm_slots if side.mamba is not None and side.mamba_groups else 0
-        lens: tuple[int, int, int, int] = (0, 0, 0, 0)
+        mamba_regions = side.mamba.regions_per_slot * side.num_ssm_slots \
+            if side.mamba is not None and side.mamba_groups else 0
+        lens: tuple[int, ...] = (0, 0, 0, 0)
         if side.mamba is not None:
-            c = side.mamba.conv
-            lens = (c.x_bytes, c.b_bytes, c.b_bytes, side.mamba.ssm_bytes)
+            lens = tuple(ln for _, ln in side.mamba.desc_spans())
         nlog = side.num_blocks
         nphys = nlog * side.physical_per_logical if nlog is not None else None
         nfa = fa_regions * nphys if nphys is not None else None
@@ -259,4 +285,6 @@ class DescriptorLayout:
         return DescriptorLayout(regions=T, fa_regions=fa_regions, mamba_regions=mamba_regions,
                                 fa_desc_len=side.kernel_page_bytes // kvd if fa_regions else 0,
                                 mamba_desc_lens=lens, num_phys_blocks=nphys, num_logical_blocks=nlog,
-                                num_fa_descs=nfa, local_descs=local, registered_rows=rows)
+                                num_fa_descs=nfa, local_descs=local, registered_rows=rows,
+                                mamba_desc_names=(*side.mamba.part_names, "ssm") if side.mamba is not None
+                                else ("x", "B", "C", "ssm"))
