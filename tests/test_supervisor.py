@@ -153,6 +153,7 @@ def _cli(model: Path, fake: Path, ports: dict[str, int], *extra: str) -> list[st
     return [sys.executable, "-m", "hybridpd_cli.main", "serve", str(model), "--platform", "cpu",
             "--vllm-version", "0.32", "--cpus", "0-1", "--vllm-command", f"{sys.executable} {fake}",
             "--proxy-command", f"{sys.executable} {fake}", "--grace", "5",
+            "--deployment-file", str(model.parent / "deployment.json"),
             *(x for k, v in ports.items() for x in (f"--{k.replace('_', '-')}", str(v))), *extra]
 
 
@@ -182,6 +183,11 @@ def test_sigterm_leaves_no_process(tiny_models: dict[str, Path], fake: Path, tmp
     time.sleep(0.3)
     assert not [p for p in children + grand if alive(p)], "orphans left behind"
     assert "SIGTERM: stopping 3 process tree(s)" in errlog.read_text()
+    rec = json.loads((tiny_models["llama"].parent / "deployment.json").read_text())
+    assert rec["state"] == "stopped" and rec["platform"] == "cpu"
+    assert {n: p["port"] for n, p in rec["processes"].items()} == {
+        "prefill-0": ports["prefill_port"], "decode-0": ports["decode_port"], "proxy": ports["proxy_port"]}
+    assert rec["urls"]["proxy"] == f"http://127.0.0.1:{ports['proxy_port']}"
 
 
 def test_cli_port_conflict_starts_nothing(tiny_models: dict[str, Path], fake: Path) -> None:

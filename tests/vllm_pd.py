@@ -24,9 +24,6 @@ VLLM_PY = os.environ.get("HYBRIDPD_VLLM_PYTHON", "/work/venvs/vllm/bin/python")
 # shared/ lies beside the repository (locally and in CI)
 EXAMPLES = Path(os.environ.get("HYBRIDPD_VLLM_EXAMPLES",
                                Path(__file__).resolve().parents[2] / "shared/reference/vllm-cpu-examples"))
-# NIXL's busy-polling progress threads starve a 2-core machine when D runs TP 2 (notes Part 2 §5):
-# the example's test-only sitecustomize hook sets a 1 ms poll delay.
-PTHR_HOOK = EXAMPLES / "hetero-tp" / "nixl_pthr_hook"
 needs_vllm = pytest.mark.skipif(not (os.path.exists(VLLM_PY) and EXAMPLES.is_dir()),
                                 reason=f"needs vLLM at {VLLM_PY} and the example scripts at {EXAMPLES}")
 
