@@ -14,12 +14,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata as md
+import os
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-import os
 
 os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")  # P/D requires DS; vLLM reads it once
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
