@@ -90,8 +90,9 @@ def ceiling(pl: Any, nbytes: int, repeat: int) -> dict[str, Any]:
 
 def calibrate(pl: Any, quick: bool, cmd: str, ceiling_Bps: float, regions: int
               ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    from _nixl_bench import read_sweep
+
     from hybridpd.estimate import fit_calibration
-    from hybridpd.nixl_agent import read_sweep
 
     sweep = read_sweep(pl, SIZES, total=(256 if quick else 1024) << 20, max_descs=4096, repeat=3 if quick else 7,
                        regions=regions)
@@ -138,6 +139,8 @@ def _nixl_version() -> str:
 
 
 def rehearse(pl: Any, case: tuple[Any, ...], repeat: int, entry: Any) -> dict[str, Any]:
+    from _nixl_bench import variants
+
     from hybridpd.estimate import estimate_request
     from hybridpd.nixl_agent import run_nixl
     from hybridpd.plan import build_plan
@@ -149,7 +152,7 @@ def rehearse(pl: Any, case: tuple[Any, ...], repeat: int, entry: Any) -> dict[st
                       decode=EngineSettings(tp=dtp, block_size=block))
     s = make_setup(plan, isl=isl, max_rank_bytes=512 << 20)
     t0 = time.perf_counter()
-    res = run_nixl(s, repeat=repeat, device=pl, bench=True)
+    res = run_nixl(s, repeat=repeat, device=pl, bench=variants)
     wall = time.perf_counter() - t0
     est = estimate_request(plan.transfer_for(isl), entry)
     ranks = []

@@ -1,74 +1,144 @@
-"""Rehearsal transfer throughput (NIXL READs between rank processes) vs plain numpy copies of the same bytes.
+"""Rehearsal READ throughput on DRAM as a ratio to a memcpy of the same bytes, both timed in one run.
 
-  python bench/bench_rehearsal.py [MODEL] [--ptp 1] [--dtp 1] [--blocks 8] [--repeat 3]
+  UCX_NET_DEVICES=lo python bench/bench_rehearsal.py [MODEL] [--ptp 1] [--dtp 1] [--blocks 8] [--repeat 2]
+      [--rounds 20] [--ucx K=V[,K=V]] ... [--json]
 
-Both are measured in the same run: the NIXL figure is the D rank's READ time (and NIXL telemetry's
-xferDuration); the baselines are (a) the same descriptor gather done with numpy slices, (b) one contiguous
-numpy copy of the same number of bytes.
+Each of ``--repeat`` runs starts fresh P and D rank processes (``run_nixl``, bit-exact check on).  Then, in
+each D rank process, ``--rounds`` rounds run back to back (bench/_nixl_bench.py ``variants``):
+
+* ``rehearsal``: the rehearsal's READ, vLLM's per-request work (make_prepped_xfer with the request's desc
+  ids on the lists prepped at handshake, one per source P rank, post, poll until DONE) -- the figure;
+* ``bare``: the same descriptors as one initialize_xfer READ made once and re-posted (no per-request make);
+* ``coalesced``: bare, with descriptors contiguous on both sides merged (a what-if; vLLM does not do it);
+* ``vm_readv``: a raw process_vm_readv of the request's descriptors (the kernel copy UCX's cma uses);
+* ``memcpy``: numpy copy of the same number of bytes in the D process (the baseline).
+
+A round's ratio is memcpy time / variant time; the table gives the median over every round of every run
+and D rank, and the spread (min..max, and the middle half).  ``--ucx`` runs the whole thing again under
+other UCX settings (runs alternate between the settings); "" is the rehearsal's own environment.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
 import time
+from typing import Any
 
 import numpy as np
+from _nixl_bench import variants
 
 from hybridpd.nixl_agent import run_nixl
 from hybridpd.plan import build_plan
-from hybridpd.rehearsal import fill_prefill, init_decode, make_setup, numpy_read, transfer_views
+from hybridpd.rehearsal import make_setup
 from hybridpd.settings import EngineSettings
+
+ORDER = ("rehearsal", "bare", "coalesced", "vm_readv", "memcpy")
+
+
+def _env_of(spec: str) -> dict[str, str]:
+    out = {}
+    for kv in filter(None, (x.strip() for x in spec.split(","))):
+        k, sep, v = kv.partition("=")
+        if not sep or not k:
+            raise SystemExit(f"--ucx: {kv!r} is not K=V")
+        out[k] = v
+    return out
+
+
+def _run(s: Any, rounds: int, env: dict[str, str]) -> tuple[list[dict[str, Any]], float]:
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # spawned rank processes inherit it; the rehearsal only sets defaults
+    try:
+        t0 = time.perf_counter()
+        res = run_nixl(s, repeat=rounds, bench=variants)
+        return res, time.perf_counter() - t0
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def summarize(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    ratios: dict[str, list[float]] = {}
+    times: dict[str, list[float]] = {}
+    nbytes = 0
+    for res in runs:
+        for r in res:
+            b = r["bench"]
+            nbytes = r["moved_bytes"]
+            base = b["memcpy"]["read_times_s"]
+            for name in ORDER:
+                if name not in b:
+                    continue
+                ts = b[name]["read_times_s"]
+                times.setdefault(name, []).extend(ts)
+                ratios.setdefault(name, []).extend(m / t for m, t in zip(base, ts, strict=True))
+    out: dict[str, Any] = {}
+    for name, rs in ratios.items():
+        q = np.quantile(rs, [0.0, 0.25, 0.5, 0.75, 1.0])
+        med_t = statistics.median(times[name])
+        out[name] = {"ratio_median": float(q[2]), "ratio_min": float(q[0]), "ratio_q1": float(q[1]),
+                     "ratio_q3": float(q[3]), "ratio_max": float(q[4]), "rounds": len(rs),
+                     "median_s": med_t, "median_GBps": nbytes / med_t / 1e9}
+    return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default="nano-fp8")
     ap.add_argument("--ptp", type=int, default=1)
     ap.add_argument("--dtp", type=int, default=1)
     ap.add_argument("--blocks", type=int, default=8, help="request length in attention blocks")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=2, help="rehearsal runs (fresh processes) per UCX setting")
+    ap.add_argument("--rounds", type=int, default=20, help="timed rounds of every variant per D rank per run")
+    ap.add_argument("--ucx", action="append", default=None,
+                    help='UCX settings "K=V,K=V" to measure ("" = the rehearsal\'s own); repeatable')
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     a = ap.parse_args()
+    configs = a.ucx if a.ucx is not None else [""]
+    envs = [_env_of(c) for c in configs]
     plan = build_plan(a.model, prefill=EngineSettings(tp=a.ptp), decode=EngineSettings(tp=a.dtp))
     isl = a.blocks * plan.prefill.block_size
     s = make_setup(plan, isl=isl, max_rank_bytes=256 << 20)
-    best = []
+    runs: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in configs}
+    walls: dict[str, list[float]] = {c: [] for c in configs}
+    first: dict[str, list[float]] = {c: [] for c in configs}
     for _ in range(a.repeat):
-        t0 = time.perf_counter()
-        res = run_nixl(s, repeat=5)
-        wall = time.perf_counter() - t0
-        assert all(r["ok"] for r in res), [r["mismatches"] for r in res]
-        best.append((max(r["elapsed_s"] for r in res), sum(r["moved_bytes"] for r in res), res, wall))
-    el, nbytes, res, wall = min(best, key=lambda x: x[0])
-    tel = sum((r["telemetry"] or {}).get("xfer_us", 0) for r in res)
-    # numpy gather over the same descriptors (rank 0's view), in this process
-    p_t = {r: fill_prefill(s, r) for r in range(s.p.tp)}
-    p_b = {r: [t.ctypes.data for t in ts] for r, ts in p_t.items()}
-    d_t = init_decode(s)
-    d_b = [t.ctypes.data for t in d_t]
-    views = transfer_views(s, 0, p_b, d_b)
-    g = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        numpy_read(views, p_t, p_b, d_t, d_b)
-        g.append(time.perf_counter() - t0)
-    rank0 = res[0]["moved_bytes"]
-    src = np.random.default_rng(0).integers(0, 256, rank0, dtype=np.uint8)
-    dst = np.empty_like(src)
-    c = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        c.append(time.perf_counter() - t0)
-    n_desc = res[0]["moved_descriptors"]
-    print(f"model {plan.model.model_id} P TP{a.ptp} -> D TP{a.dtp}, ISL {isl}, {s.n_log} blocks/rank, "
-          f"{n_desc} descs/rank, {rank0:,} B per D rank, {nbytes:,} B total; rehearsal wall {wall:.2f} s")
-    first = max(r["first_elapsed_s"] for r in res)
-    print(f"NIXL first (cold) READ incl. prep: {first * 1e3:.2f} ms = {rank0 / first / 1e9:.2f} GB/s per rank")
-    print(f"NIXL warm READ incl. prep (slowest D rank, 5th READ, best of {a.repeat} runs): {el * 1e3:.2f} ms = "
-          f"{rank0 / el / 1e9:.2f} GB/s per rank"
-          + (f"; telemetry xferDuration {tel / len(res) / 1e3:.2f} ms" if tel else ""))
-    print(f"numpy gather, same descriptors: {min(g) * 1e3:.2f} ms = {rank0 / min(g) / 1e9:.2f} GB/s")
-    print(f"numpy contiguous copy, same bytes: {min(c) * 1e3:.2f} ms = {rank0 / min(c) / 1e9:.2f} GB/s")
+        for c, env in zip(configs, envs, strict=True):
+            res, wall = _run(s, a.rounds, env)
+            bad = [m for r in res for m in r["mismatches"]]
+            if bad:
+                raise SystemExit(f"rehearsal FAILED under {c!r}: {bad[:3]}")
+            runs[c].append(res)
+            walls[c].append(wall)
+            first[c].extend(r["first_elapsed_s"] for r in res)
+    r0 = runs[configs[0]][0][0]
+    head = {"model": plan.model.model_id, "ptp": a.ptp, "dtp": a.dtp, "isl": isl, "num_blocks": s.n_log,
+            "bytes_per_d_rank": r0["moved_bytes"], "descriptors_per_d_rank": r0["moved_descriptors"],
+            "telemetry_descriptors": (r0["telemetry"] or {}).get("descriptors"),
+            "coalesced_descriptors": r0["bench"]["coalesced"]["descriptors"], "reads_per_d_rank": r0["reads"],
+            "repeat": a.repeat, "rounds": a.rounds, "load_avg": os.getloadavg()[0]}
+    figures = {c or "default": {"ucx": envs[i], "variants": summarize(runs[c]), "wall_s": walls[c],
+                                "first_read_s": first[c]} for i, c in enumerate(configs)}
+    if a.json:
+        print(json.dumps({**head, "configs": figures}, indent=1))
+        return
+    print(f"model {head['model']} P TP{a.ptp} -> D TP{a.dtp}, ISL {isl}, {s.n_log} blocks/rank; per D rank "
+          f"{head['bytes_per_d_rank']:,} B in {head['descriptors_per_d_rank']} descriptors (NIXL merges them to "
+          f"{head['telemetry_descriptors']}; {head['coalesced_descriptors']} if coalesced), {head['reads_per_d_rank']} "
+          f"READ(s); {a.repeat} runs x {a.rounds} rounds per setting; load average {head['load_avg']:.1f}")
+    for name, f in figures.items():
+        print(f"\n[{name}] {f['ucx'] or 'rehearsal defaults'}; run wall {', '.join(f'{w:.1f}' for w in f['wall_s'])} s; "
+              f"first (cold) READ {statistics.median(f['first_read_s']) * 1e3:.1f} ms")
+        print(f"  {'variant':<10} {'median':>9} {'GB/s':>7}   ratio to memcpy: median [middle half] (min..max)")
+        for v, x in f["variants"].items():
+            print(f"  {v:<10} {x['median_s'] * 1e3:7.2f}ms {x['median_GBps']:7.2f}   {x['ratio_median']:6.1%} "
+                  f"[{x['ratio_q1']:.1%}..{x['ratio_q3']:.1%}] ({x['ratio_min']:.1%}..{x['ratio_max']:.1%})")
 
 
 if __name__ == "__main__":

@@ -564,15 +564,3 @@ def summarize(s: Setup, per_rank: list[dict[str, Any]], transport: str, memory: 
         "notes": list(s.notes), "per_rank": per_rank, "ok": all(r["ok"] for r in per_rank),
     }
 
-
-def coalesce(local_addr: np.ndarray, remote_addr: np.ndarray, length: np.ndarray
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge descriptors that are contiguous on BOTH sides (in local-address order): the what-if of a
-    connector that registers x|B|C|SSM of a DS Mamba page (homogeneous TP) as one range."""
-    if local_addr.size == 0:
-        return local_addr, remote_addr, length
-    order = np.argsort(local_addr, kind="stable")
-    la, ra, ln = local_addr[order], remote_addr[order], length[order]
-    joined = (la[:-1] + ln[:-1] == la[1:]) & (ra[:-1] + ln[:-1] == ra[1:])
-    starts = np.flatnonzero(np.concatenate([[True], ~joined]))
-    return la[starts], ra[starts], np.add.reduceat(ln, starts).astype(ln.dtype)

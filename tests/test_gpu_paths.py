@@ -4,6 +4,7 @@ the VRAM rehearsals themselves, which run only where torch sees a CUDA device an
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,11 @@ from hybridpd import ucx_info
 from hybridpd.errors import UsageError
 from hybridpd.nixl_agent import Placement, parse_device
 from hybridpd.plan import build_plan
-from hybridpd.rehearsal import coalesce, make_setup
+from hybridpd.rehearsal import make_setup
 from hybridpd.settings import EngineSettings
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))  # the bench-only NIXL code lives there
+from _nixl_bench import coalesce, read_sweep, sweep_addrs, sweep_region_bytes, variants  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 
@@ -184,7 +188,7 @@ def test_bench_mode_variants_on_dram() -> None:
     if not nixl_available():
         pytest.skip("nixl not installed")
     plan = build_plan("nano", prefill=EngineSettings(tp=2), decode=EngineSettings(tp=2))
-    res = run_nixl(make_setup(plan), repeat=2, bench=True)
+    res = run_nixl(make_setup(plan), repeat=2, bench=variants)
     for r in res:
         assert r["ok"], r["mismatches"]
         b = r["bench"]
@@ -194,14 +198,12 @@ def test_bench_mode_variants_on_dram() -> None:
 
 
 def test_sweep_addresses_round_robin_without_overlap() -> None:
-    from hybridpd.nixl_agent import _sweep_addrs, _sweep_region_bytes
-
     sizes = [4096, 1 << 20]
-    per_region = _sweep_region_bytes(sizes, total=8 << 20, max_descs=100, regions=3, gap=2)
+    per_region = sweep_region_bytes(sizes, total=8 << 20, max_descs=100, regions=3, gap=2)
     bases = [0, 1 << 40, 2 << 40]
     for size in sizes:
         n = max(4, min(100, (8 << 20) // size))
-        a = _sweep_addrs(bases, n, size, 2)
+        a = sweep_addrs(bases, n, size, 2)
         assert [int(x) >> 40 for x in a[:4]] == [0, 1, 2, 0]  # round robin over the regions
         ends = [(int(x) & ((1 << 40) - 1)) + size for x in a]
         assert max(ends) <= per_region  # every descriptor fits its region
@@ -211,7 +213,7 @@ def test_sweep_addresses_round_robin_without_overlap() -> None:
 
 @pytest.mark.integration
 def test_read_sweep_on_dram() -> None:
-    from hybridpd.nixl_agent import nixl_available, read_sweep
+    from hybridpd.nixl_agent import nixl_available
 
     if not nixl_available():
         pytest.skip("nixl not installed")
