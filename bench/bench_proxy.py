@@ -8,8 +8,10 @@ combination of concurrency (default 1, 16, 64) and streaming (SSE) or not:
   vllm-router  client -> vllm-router (Rust, PyPI ``vllm-router``, ``--vllm-pd-disaggregation``) -> fake P, then D
   toy          (``--with-toy``) vLLM's toy_proxy_server.py design (FastAPI + httpx + uvicorn), if importable
 
-Reported per row: requests/s, p50/p99 latency, and the latency each router ADDS over direct (p50, p99); then the
-hybridpd/vllm-router ratios: added p50, added p99 (lower is better, 1.0 = equal) and throughput (higher is better).
+Reported per row: requests/s, p50/p99 latency, the latency each router ADDS over direct (p50, p99), and the CPU
+time the router process spent per request (all threads; from /proc, robust to a busy machine); then the
+hybridpd/vllm-router ratios: added p50, added p99, CPU per request (lower is better, 1.0 = equal) and throughput
+(higher is better).
 Backends, each router and the load generator run in separate processes (the machine's cores are shared, so
 absolute numbers depend on the box; compare the ratios). Every answer is checked (text derived from the prompt,
 ``data: [DONE]``, P/D pairing verified by the fake D): a wrong answer counts as an error.
@@ -217,6 +219,12 @@ class Row:
     wall: float = 0.0
     skipped: str | None = None
     capped: bool = False
+    #: CPU seconds the router process (all its threads) used during the measured part; None = not a router.
+    cpu_s: float | None = None
+
+    @property
+    def cpu_us_per_request(self) -> float:
+        return self.cpu_s / len(self.latencies) * 1e6 if self.cpu_s is not None and self.latencies else float("nan")
 
     @property
     def rps(self) -> float:
@@ -286,9 +294,18 @@ async def _run_workers(
     row.wall = time.perf_counter() - t0
 
 
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, all threads (Linux /proc; 0.0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def _load(
     url: str, row: Row, *, requests: int, concurrency: int, tokens: int, stream: bool, warmup_seconds: float,
-    max_seconds: float,
+    max_seconds: float, pid: int | None = None,
 ) -> None:
     """Warm up at full concurrency (connection pools grow, caches fill), then measure."""
     connector = aiohttp.TCPConnector(limit=0)
@@ -301,8 +318,11 @@ async def _load(
             row.errors += scratch.errors
             row.first_error = scratch.first_error
             return
+        cpu0 = _cpu_seconds(pid) if pid else 0.0
         await _run_workers(session, url, row, first=0, requests=requests, concurrency=concurrency, tokens=tokens,
                            stream=stream, max_seconds=max_seconds)
+        if pid:
+            row.cpu_s = _cpu_seconds(pid) - cpu0
 
 
 async def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
@@ -402,8 +422,10 @@ async def _bench(args: argparse.Namespace) -> int:
                 port = unused_port()
                 procs.append(_spawn("--serve-toy", p_url, d_url, str(port)))
                 routers["toy"] = f"http://127.0.0.1:{port}"
+        pids: dict[str, int] = {}
         for proc, name in zip(procs, [n for n in routers if n != "direct"], strict=True):
             await _wait_healthy(routers[name] or "", proc)
+            pids[name] = proc.pid
         for stream in args.modes:
             for concurrency in args.concurrency:
                 cell = Cell(stream, concurrency, {})
@@ -411,7 +433,7 @@ async def _bench(args: argparse.Namespace) -> int:
                     row = Row(name)
                     await _load(url or "", row, requests=args.requests, concurrency=concurrency,
                                 tokens=args.tokens, stream=stream, warmup_seconds=args.warmup_seconds,
-                                max_seconds=args.max_seconds)
+                                max_seconds=args.max_seconds, pid=pids.get(name))
                     cell.rows[name] = row
                 cells.append(cell)
     finally:
@@ -427,9 +449,10 @@ async def _bench(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, cells: list[Cell], skipped: dict[str, str], violations: str) -> None:
     print(f"\nproxy benchmark: {args.tokens} tokens/answer, per cell {args.warmup_seconds:g} s warm-up then at most "
           f"{args.requests} requests or {args.max_seconds:g} s; {os.cpu_count()} CPUs shared by load generator, "
-          f"routers and fake backends")
+          f"routers and fake backends; hybridpd's event loop: "
+          f"{'uvloop' if importlib.util.find_spec('uvloop') else 'asyncio'}")
     header = (f"{'mode':6} {'conc':>4} {'path':12} {'done':>6} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7}"
-              f" {'+p50 ms':>8} {'+p99 ms':>8} {'errors':>6}")
+              f" {'+p50 ms':>8} {'+p99 ms':>8} {'cpu us/req':>10} {'errors':>6}")
     print(header)
     print("-" * len(header))
     summary = []
@@ -441,7 +464,7 @@ def _report(args: argparse.Namespace, cells: list[Cell], skipped: dict[str, str]
             add99 = _added(row, direct, 0.99) if name != "direct" else 0.0
             done = f"{len(row.latencies):5d}{'*' if row.capped else ' '}"
             print(f"{mode:6} {cell.concurrency:4d} {name:12} {done} {row.rps:7.0f} {row.pct(0.5):7.2f}"
-                  f" {row.pct(0.99):7.2f} {add50:8.2f} {add99:8.2f} {row.errors:6d}")
+                  f" {row.pct(0.99):7.2f} {add50:8.2f} {add99:8.2f} {row.cpu_us_per_request:10.0f} {row.errors:6d}")
             if row.first_error:
                 print(f"    first error: {row.first_error}")
         ours, theirs = cell.rows.get("hybridpd"), cell.rows.get("vllm-router")
@@ -449,14 +472,15 @@ def _report(args: argparse.Namespace, cells: list[Cell], skipped: dict[str, str]
             summary.append((mode, cell.concurrency,
                             _ratio(_added(ours, direct, 0.5), _added(theirs, direct, 0.5)),
                             _ratio(_added(ours, direct, 0.99), _added(theirs, direct, 0.99)),
-                            _ratio(ours.rps, theirs.rps)))
+                            _ratio(ours.rps, theirs.rps),
+                            _ratio(ours.cpu_us_per_request, theirs.cpu_us_per_request)))
     for name, why in skipped.items():
         print(f"{name}: skipped ({why})")
     if summary:
         print("\nhybridpd / vllm-router (added latency: lower is better; throughput: higher is better)")
-        print(f"{'mode':6} {'conc':>4} {'+p50 ratio':>10} {'+p99 ratio':>10} {'req/s ratio':>11}")
-        for mode, conc, r50, r99, rps in summary:
-            print(f"{mode:6} {conc:4d} {r50:10.2f} {r99:10.2f} {rps:11.2f}")
+        print(f"{'mode':6} {'conc':>4} {'+p50 ratio':>10} {'+p99 ratio':>10} {'req/s ratio':>11} {'cpu/req ratio':>13}")
+        for mode, conc, r50, r99, rps, cpu in summary:
+            print(f"{mode:6} {conc:4d} {r50:10.2f} {r99:10.2f} {rps:11.2f} {cpu:13.2f}")
     if any(r.capped for c in cells for r in c.rows.values()):
         print(f"* stopped after --max-seconds {args.max_seconds:g} (rates stay comparable)")
     print(f"(fake-backend protocol violations: {violations.split(' ', 1)[1]})")
@@ -464,6 +488,7 @@ def _report(args: argparse.Namespace, cells: list[Cell], skipped: dict[str, str]
         data = [{"stream": c.stream, "concurrency": c.concurrency, "path": n, "requests": len(r.latencies),
                  "rps": r.rps, "p50_ms": r.pct(0.5), "p99_ms": r.pct(0.99),
                  "added_p50_ms": _added(r, c.rows["direct"], 0.5), "added_p99_ms": _added(r, c.rows["direct"], 0.99),
+                 "router_cpu_us_per_request": r.cpu_us_per_request if r.cpu_s is not None else None,
                  "errors": r.errors} for c in cells for n, r in c.rows.items()]
         tmp = Path(args.json + ".tmp")
         tmp.write_text(json.dumps({"cells": data, "skipped": skipped}, indent=1))

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from hybridpd.errors import UsageError
 from hybridpd.proxy.app import run_proxy
-from hybridpd.proxy.config import POLICIES, ProxyConfig
+from hybridpd.proxy.config import EVENT_LOOPS, POLICIES, ProxyConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace_s, metavar="S",
                    help="on SIGTERM: requests in flight may finish this long, then streams end with an error "
                         "event (default %(default)s)")
+    p.add_argument("--event-loop", choices=EVENT_LOOPS, default=defaults.event_loop,
+                   help="auto: uvloop if installed (faster), else asyncio (default %(default)s)")
     p.add_argument("--access-log", action="store_true", help="log every request (logger hybridpd.proxy.access)")
     p.add_argument("--log-level", default="INFO", help="default %(default)s")
     return p
@@ -90,6 +92,7 @@ def config_from_args(a: argparse.Namespace) -> ProxyConfig:
         health_interval_s=a.health_interval,
         health_timeout_s=a.health_timeout,
         shutdown_grace_s=a.shutdown_grace,
+        event_loop=a.event_loop,
         max_request_bytes=a.max_request_bytes,
         api_key=os.environ.get("HYBRIDPD_PROXY_API_KEY") or None,
         backend_api_key=os.environ.get("HYBRIDPD_PROXY_BACKEND_API_KEY") or None,
@@ -112,6 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     try:
         run_proxy(config)
+    except UsageError as exc:  # e.g. --event-loop uvloop without uvloop installed
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except OSError as exc:  # typically: address already in use
         print(f"error: cannot serve on {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1

@@ -45,16 +45,17 @@ import logging
 import math
 import re
 import signal
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from hybridpd.proxy.config import ProxyConfig
+from hybridpd.proxy.config import ProxyConfig, ProxyConfigError
 from hybridpd.proxy.errors import (
     AUTHENTICATION,
     INTERNAL,
@@ -87,6 +88,7 @@ from hybridpd.proxy.protocol import (
 )
 
 log = logging.getLogger("hybridpd.proxy")
+T = TypeVar("T")
 
 _REQUEST_ID_RE: Final = re.compile(r"[\x21-\x7e]{1,256}")
 _FORWARDED_HEADERS: Final = ("traceparent", "tracestate")
@@ -150,6 +152,19 @@ def _client_request_id(request: web.Request) -> str | None:
 
 def _id_headers(pairing_id: str, client_id: str | None) -> dict[str, str]:
     return {"X-Request-Id": client_id or pairing_id, "X-HybridPD-Pairing-Id": pairing_id}
+
+
+if sys.version_info >= (3, 11):
+
+    async def _until(aw: Awaitable[T], deadline: float) -> T:
+        """``await aw`` until loop time ``deadline``, else ``TimeoutError`` (no extra task, unlike wait_for)."""
+        async with asyncio.timeout_at(deadline):
+            return await aw
+
+else:  # pragma: no cover
+
+    async def _until(aw: Awaitable[T], deadline: float) -> T:
+        return await asyncio.wait_for(aw, max(deadline - asyncio.get_running_loop().time(), 0.001))
 
 
 def _client_note(ids: dict[str, str]) -> str:
@@ -401,7 +416,6 @@ class ProxyState:
         response. ``deadline`` (loop time) bounds the wait for the response headers.
         """
         leg = pool.role
-        loop = asyncio.get_running_loop()
         tried: list[Backend] = []
         last: str | None = None
         while True:
@@ -424,7 +438,7 @@ class ProxyState:
                 if deadline is None:
                     resp = await ctx
                 else:
-                    resp = await asyncio.wait_for(ctx, max(deadline - loop.time(), 0.001))
+                    resp = await _until(ctx, deadline)
             except _CONNECT_ERRORS as exc:
                 pool.release(backend)
                 last = f"{backend.url}: {exc}"
@@ -508,7 +522,7 @@ class ProxyState:
         finally:
             resp.release()
             pool.release(backend)
-        self.metrics.leg_duration.labels(leg, backend.url).observe(loop.time() - t0)
+        self.metrics.child(self.metrics.leg_duration, leg, backend.url).observe(loop.time() - t0)
         return backend, resp, raw
 
     async def _prefill(
@@ -582,7 +596,7 @@ class ProxyState:
                         type=UPSTREAM,
                         code="decode_invalid_response",
                     )
-                first = await asyncio.wait_for(resp.content.readany(), max(deadline - loop.time(), 0.001))
+                first = await _until(resp.content.readany(), deadline)
             except asyncio.TimeoutError:
                 raise self._timeout_error("decode", backend, first_byte=True) from None
             except aiohttp.ClientError as exc:
@@ -595,7 +609,7 @@ class ProxyState:
                     code="decode_connection_error",
                 ) from None
             now = loop.time()
-            self.metrics.leg_duration.labels("decode_first_byte", backend.url).observe(now - t0)
+            self.metrics.child(self.metrics.leg_duration, "decode_first_byte", backend.url).observe(now - t0)
             if handover is not None:
                 self._note_handover(handover, now, ids)
 
@@ -665,7 +679,7 @@ class ProxyState:
             else:
                 resp.close()  # drops the D connection: vLLM aborts the request
             self.decode.release(backend)
-            self.metrics.leg_duration.labels("decode", backend.url).observe(loop.time() - t0)
+            self.metrics.child(self.metrics.leg_duration, "decode", backend.url).observe(loop.time() - t0)
 
     def interrupt_streams(self) -> int:
         """End every stream being relayed: D's connection is closed, and each stream's handler sends its client
@@ -679,7 +693,7 @@ class ProxyState:
     def _note_handover(self, handover: tuple[float, Backend], now: float, ids: dict[str, str]) -> None:
         p_done, p_backend = handover
         seconds = now - p_done
-        self.metrics.kv_handover.labels(p_backend.url).observe(seconds)
+        self.metrics.child(self.metrics.kv_handover, p_backend.url).observe(seconds)
         client = ids["X-Request-Id"]
         pairing = ids["X-HybridPD-Pairing-Id"]
         self.leases.note(Handover(pairing, client if client != pairing else None, p_backend.url, seconds))
@@ -824,8 +838,8 @@ async def _middleware(request: web.Request, handler: _Handler) -> web.StreamResp
         if api:
             metrics.outstanding.dec()
             state.in_flight -= 1
-        metrics.requests.labels(route, str(status)).inc()
-        metrics.request_duration.labels(route).observe(time.perf_counter() - started)
+        metrics.child(metrics.requests, route, str(status)).inc()
+        metrics.child(metrics.request_duration, route).observe(time.perf_counter() - started)
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -915,11 +929,12 @@ async def serve_proxy(
         host, port = runner.addresses[0][:2]
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         log.info(
-            "hybridpd proxy listening on %s (prefill: %s; decode: %s; policy %s)",
+            "hybridpd proxy listening on %s (prefill: %s; decode: %s; policy %s; event loop %s)",
             url,
             ", ".join(config.prefill_urls),
             ", ".join(config.decode_urls),
             config.policy,
+            type(loop).__module__.split(".")[0],
         )
         if on_started is not None:
             on_started(url)
@@ -952,6 +967,23 @@ async def drain(runner: web.AppRunner) -> None:
             await asyncio.sleep(0.02)
 
 
+def event_loop_runner(choice: str) -> tuple[str, Callable[[Any], Any]]:
+    """(name, run function) for ``ProxyConfig.event_loop``: uvloop when asked for or, with "auto", when it is
+    importable (bench/bench_proxy.py measures the difference); else asyncio's own loop."""
+    if choice in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                raise ProxyConfigError("uvloop is not installed", field="event_loop",
+                                       fix="pip install uvloop, or use --event-loop asyncio") from None
+        else:
+            return "uvloop", uvloop.run
+    return "asyncio", asyncio.run
+
+
 def run_proxy(config: ProxyConfig) -> None:
     """Run the proxy in a new event loop until SIGINT/SIGTERM; returns after a clean shutdown."""
-    asyncio.run(serve_proxy(config))
+    name, runner = event_loop_runner(config.event_loop)
+    log.debug("event loop: %s", name)
+    runner(serve_proxy(config))

@@ -13,6 +13,7 @@ from hybridpd.errors import UsageError
 
 Policy = Literal["round_robin", "least_outstanding"]
 POLICIES: tuple[str, ...] = get_args(Policy)
+EVENT_LOOPS: tuple[str, ...] = ("auto", "uvloop", "asyncio")
 
 
 class ProxyConfigError(UsageError):
@@ -110,6 +111,8 @@ class ProxyConfig:
     #: Scrape every P's ``/metrics`` each health round for vLLM's KV-lease counters
     #: (``vllm:nixl_num_kv_expired_reqs``, ``vllm:nixl_num_notifications_after_expiry``).
     watch_kv_leases: bool = True
+    #: "auto" (uvloop if importable, else asyncio), "uvloop" or "asyncio"; used by ``run_proxy``.
+    event_loop: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("prefill_urls", "decode_urls"):
@@ -148,6 +151,9 @@ class ProxyConfig:
         me = self.max_sse_event_bytes
         if not isinstance(me, int) or isinstance(me, bool) or me < 1024:
             raise ProxyConfigError(f"{me!r} must be an integer >= 1024", field="max_sse_event_bytes")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ProxyConfigError(f"unknown event loop {self.event_loop!r}", field="event_loop",
+                                   fix=f"one of {', '.join(EVENT_LOOPS)}")
         for name in ("api_key", "backend_api_key", "metrics_api_key"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value or any(c.isspace() for c in value)):

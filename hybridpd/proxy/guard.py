@@ -29,7 +29,7 @@ import json
 import logging
 import resource
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -82,12 +82,11 @@ class _Conn(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
         if not self.guard.admit(self):
             with contextlib.suppress(Exception):
-                transport.write(_REFUSAL)
-            transport.close()
+                self.transport.write(_REFUSAL)
+            self.transport.close()
             return
         self.inner = self.guard.server()
         self.inner.connection_made(transport)

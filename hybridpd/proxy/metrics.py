@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -59,6 +60,7 @@ class ProxyMetrics:
 
     def __init__(self, pools: Sequence[BackendPool]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(
             "hybridpd_proxy_requests", "Client requests by route and final HTTP status", ["route", "status"], registry=r
@@ -115,6 +117,15 @@ class ProxyMetrics:
             registry=r,
         )
         r.register(_PoolCollector(pools))
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, memoized: the hot path calls this several times per request, and
+        prometheus_client's ``labels`` validates and locks on every call."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
