@@ -8,14 +8,19 @@ import asyncio
 import gzip
 import json
 import logging
+import os
+import sys
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiohttp
 import pytest
 from proxy_fakes import Harness, eventually, harness, parse_sse, run
 
 from hybridpd.proxy import SSEFramer
 from hybridpd.proxy.__main__ import build_parser, config_from_args
+from hybridpd.proxy.fakes import FakeDecode, FakePrefill, KVLedger, start_server, unused_port
 from hybridpd.proxy.guard import GUARD_SUPPORTED
 from hybridpd.proxy.protocol import SSEError
 
@@ -367,5 +372,53 @@ def test_expired_kv_lease_on_prefill_is_a_metric_and_a_warning(caplog: pytest.Lo
             await h.state.probe_all()  # no new expiry: no new count
             assert get("hybridpd_proxy_kv_lease_expired_total", {"backend": url, "kind": "expired"}) == 1
             assert get("hybridpd_proxy_kv_handover_seconds_count", {"backend": url}) == 1
+
+    run(go())
+
+
+def test_idle_flood_past_the_open_file_limit_does_not_lock_out_clients(tmp_path: Path) -> None:
+    """Old: at a 1,024-fd limit, 1,100 idle connections made normal requests time out and asyncio logged
+    'Too many open files' tens of thousands of times. Here: a proxy process with a 256-fd limit (automatic
+    connection cap (256 - 100) // 2 = 78) and 400 idle connections; a normal request still gets its answer."""
+
+    async def go() -> None:
+        ledger = KVLedger()
+        ps, ds = await start_server(FakePrefill(ledger).make_app()), await start_server(FakeDecode(ledger).make_app())
+        port = unused_port()
+        code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
+                "from hybridpd.proxy.__main__ import main; sys.exit(main(sys.argv[1:]))")
+        log = open(tmp_path / "proxy.log", "wb")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", code, "--prefill", ps.url, "--decode", ds.url, "--port", str(port),
+            stdout=log, stderr=log, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        writers = []
+        try:
+            async with aiohttp.ClientSession() as client:
+                async def up() -> bool:
+                    try:
+                        async with client.get(f"http://127.0.0.1:{port}/health") as r:
+                            return r.status == 200
+                    except aiohttp.ClientConnectionError:
+                        return False
+
+                await eventually(up, timeout=30, step=0.1)
+                for _ in range(400):
+                    _, w = await asyncio.open_connection("127.0.0.1", port)
+                    writers.append(w)
+                await asyncio.sleep(0.5)  # let the proxy accept what it will
+                async with aiohttp.ClientSession() as fresh:
+                    async with fresh.post(f"http://127.0.0.1:{port}/v1/completions", json=COMPLETION,
+                                          timeout=aiohttp.ClientTimeout(total=20)) as r:
+                        assert r.status == 200
+        finally:
+            for w in writers:
+                w.close()
+            proc.terminate()
+            await proc.wait()
+            log.close()
+            await ps.close()
+            await ds.close()
+        text = (tmp_path / "proxy.log").read_text()
+        assert "Too many open files" not in text, text[-2000:]
 
     run(go())
