@@ -41,6 +41,7 @@ from .launch import LaunchPlan, ProcessSpec, env_for
 RESTART_POLICIES = ("no", "on-failure")
 TOKEN_ENV = "HYBRIDPD_DEPLOYMENT_TOKEN"
 STOP_ORDER = ("proxy", "decode", "prefill")
+PORT_WAIT_S = 30.0  # a restart waits this long at most for the failed process's ports to be released
 
 
 class ChildFailed(HybridPDError):
@@ -61,6 +62,7 @@ class Child:
     next_probe: float = 0.0
     restarts: int = 0
     restart_at: float = 0.0
+    due_at: float = 0.0  # when the pending restart first became due
     report: dict[str, Any] | None = None  # the keeper's last line
     history: list[dict[str, Any]] = field(default_factory=list)
 
@@ -270,7 +272,7 @@ class Supervisor:
         if self.restart == "on-failure" and child.restarts < self.restart_limit:
             child.restarts += 1
             delay = min(self.backoff_max_s, self.backoff_s * 2 ** (child.restarts - 1))
-            child.restart_at = now + delay
+            child.restart_at = child.due_at = now + delay
             self.status(f"{child.spec.name} {what}; restarting in {delay:.1f} s "
                         f"(restart {child.restarts} of {self.restart_limit})")
             self._changed("failed")
@@ -306,6 +308,16 @@ class Supervisor:
                 self._kill_now(child)
                 self._on_death(child, f"stopped answering {child.spec.health_url} for {silent:.0f} s (hung): killed")
 
+    def _busy_ports(self, child: Child) -> list[int]:
+        from .launch import port_in_use
+
+        spec = child.spec
+        out = [spec.port] if port_in_use(spec.host if spec.host not in ("", "0.0.0.0") else "127.0.0.1",
+                                         spec.port) else []
+        if spec.side_channel_port is not None and port_in_use(self.plan.side_channel_host, spec.side_channel_port):
+            out.append(spec.side_channel_port)
+        return out
+
     def _sweep_orphans(self) -> list[int]:
         """Kill processes of this deployment that were re-parented to the supervisor (their keeper died)."""
         keepers = {c.pid for c in self.children}
@@ -335,6 +347,13 @@ class Supervisor:
                     break
                 if c.state == "backoff":
                     if now >= c.restart_at:
+                        busy = self._busy_ports(c)
+                        if busy and now - c.due_at < PORT_WAIT_S:  # the old tree's sockets may linger
+                            if c.restart_at == c.due_at:
+                                self.status(f"{c.spec.name}: port(s) {', '.join(map(str, busy))} still in use; "
+                                            f"waiting up to {PORT_WAIT_S:.0f} s before the restart")
+                            c.restart_at = now + 1.0
+                            continue
                         self._restart(c)
                     continue
                 if c.proc.poll() is not None:

@@ -6,17 +6,35 @@ import socket
 from pathlib import Path
 
 
+def _server_port_range() -> range:
+    """Ports below the kernel's ephemeral range: a server port picked there cannot be taken meanwhile as the
+    source port of some outgoing connection (a restarted engine's NIXL side channel failed that way)."""
+    try:
+        lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        lo = 32768
+    return range(10000, max(10001, lo))
+
+
 def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (all sockets held open until every port is chosen)."""
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """n distinct free loopback ports outside the ephemeral range (all held open until every one is chosen)."""
+    import random
+
+    span = _server_port_range()
+    socks: list[socket.socket] = []
+    try:
+        while len(socks) < n:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", random.choice(span)))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def alive(pid: int) -> bool:

@@ -422,3 +422,34 @@ def test_kv_lease_warning_reaches_the_operator(tiny_models: dict[str, Path], fak
         install_signals=False) == 0
     assert f"[proxy] {line}" in out.getvalue()
     assert f"hybridpd: warning: {line}" in capsys.readouterr().err
+
+
+def test_restart_waits_for_the_ports_of_the_failed_process(tiny_models: dict[str, Path], fake: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A restart does not start into a port that is still bound (it would fail at bind, or hang like vLLM's
+    NIXL handshake listener does): it waits until the port is free."""
+    marker = tmp_path / "died-once"
+    lp = make_plan(tiny_models["llama"], fake, decode_args=("--fake-die-once", str(marker)))
+    d = next(p for p in lp.servers if p.name == "decode-0")
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", d.side_channel_port))
+    holder.listen()
+
+    def release() -> None:
+        time.sleep(2.5)
+        holder.close()
+
+    import threading
+    threading.Thread(target=release, daemon=True).start()
+    seen: dict[str, Any] = {}
+
+    def ready(sup: Supervisor) -> None:
+        seen["restarts"] = {c.spec.name: c.restarts for c in sup.children}
+        sup.request_stop("test done")
+
+    code = Supervisor(lp, out=io.StringIO(), grace_s=2, poll_s=0.1, restart="on-failure", backoff_s=0.2,
+                      subreaper=False, on_ready=ready).run(install_signals=False)
+    assert code == 0 and seen["restarts"]["decode-0"] == 1
+    err = capsys.readouterr().err
+    assert f"decode-0: port(s) {d.side_channel_port} still in use; waiting up to 30 s before the restart" in err
+    assert err.count("still in use") == 1
