@@ -307,7 +307,7 @@ def test_kv_descriptors_per_block_match() -> None:
     else:
         shape = tuple(FlashAttentionBackend.get_kv_cache_shape(num_blocks=3, block_size=16, num_kv_heads=2,
                                                                head_size=8))
-        if shape == (3, 2, 16, 2, 8):
+        if shape in ((3, 2, 16, 2, 8), (2, 3, 16, 2, 8)):  # K and V halves ((2, nb, ...) in 0.20-0.21)
             assert "self.is_mamba or" in _source("vllm.distributed.kv_transfer.kv_connector.utils")
             theirs = 2
         else:
@@ -449,7 +449,11 @@ def _vllm_block(monkeypatch: pytest.MonkeyPatch, s: layout.SideLayout, mode: str
     model_cfg = SimpleNamespace(
         dtype=TORCH[s.model.model_dtype], use_mla=False, architecture=arch, architectures=[arch], hf_config=hf,
         hf_text_config=hf, is_hybrid=True, get_head_size=lambda: attn.head_size,
-        get_num_kv_heads=lambda pc: s.num_kv_heads, get_mamba_chunk_size=lambda: s.model.mamba_chunk_size)
+        get_num_kv_heads=lambda pc: s.num_kv_heads)
+    from vllm.config import ModelConfig
+
+    # the release's own rule (hf_text_config mamba_chunk_size, else chunk_size, else its default)
+    model_cfg.get_mamba_chunk_size = lambda: ModelConfig.get_mamba_chunk_size(model_cfg)  # type: ignore[arg-type]
     cache_cfg = CacheConfig()  # the release's own defaults for every field it reads
     for k, v in dict(cache_dtype="fp8" if s.dtypes.kv == "fp8" else "auto", block_size=s.settings.block_size or 16,
                      user_specified_block_size=s.settings.block_size is not None, mamba_cache_mode=mode,
