@@ -368,6 +368,9 @@ def proxy_argv(opts: LaunchOptions, prefill_urls: Sequence[str], decode_urls: Se
         from .proxy.router import check_router, find_vllm_router, vllm_router_argv
 
         check_router(opts.router)
+        if opts.proxy_args:
+            raise UsageError(f"hybridpd proxy options ({' '.join(opts.proxy_args)}) do not apply to vllm-router",
+                             field="--router", fix="drop them, or use --router hybridpd")
         exe = opts.router_executable or find_vllm_router(vllm_python=opts.proxy_python)
         return vllm_router_argv(exe, host=opts.host, port=opts.proxy_port, prefill_urls=prefill_urls,
                                 decode_urls=decode_urls, policy=opts.proxy_policy)

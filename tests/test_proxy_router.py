@@ -50,6 +50,8 @@ def test_router_policy_mapping_and_refusals() -> None:
         vllm_router_argv("vr", host="h", port=1, prefill_urls=[], decode_urls=["http://d"])
     with pytest.raises(UsageError, match="router"):
         plan(router="nginx")
+    with pytest.raises(UsageError, match="do not apply to vllm-router"):  # never dropped silently
+        plan(router="vllm-router", router_executable="/x/vllm-router", proxy_args=("--prefill-timeout", "600"))
 
 
 def test_find_vllm_router(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
