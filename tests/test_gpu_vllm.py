@@ -201,10 +201,14 @@ def test_gpu_pd_verify_and_outputs(kind: str, tmp_path: Path) -> None:
     assert code == 0 and one["ok"], (one["probes"], one["plan_errors"])
     (probe,) = one["probes"]
     assert probe["moved_bytes"] == probe["expected_bytes"] > 0
-    assert probe["moved_descriptors"] == probe["expected_descriptors"] > 0
     assert probe["transfers"] == 1
     assert code_default == 0 and default["ok"], (default["probes"], default["plan_errors"])
-    assert all(p["moved_bytes"] == p["expected_bytes"] and p["moved_descriptors"] == p["expected_descriptors"]
-               for p in default["probes"]), default["probes"]
+    for p in [probe, *default["probes"]]:
+        assert p["moved_bytes"] == p["expected_bytes"], p
+        # exact where the release issues a fixed count (0.24: min == max); from 0.26 vLLM merges runs of
+        # contiguous blocks, so the count depends on the block ids and lies between the plan's bounds
+        assert p["expected_descriptors_min"] <= p["moved_descriptors"] <= p["expected_descriptors"], p
+        if p["expected_descriptors_min"] == p["expected_descriptors"]:
+            assert p["moved_descriptors"] == p["expected_descriptors"] > 0, p
     assert code_wrong == 1 and not wrong["ok"], wrong
     assert wrong["probes"][0]["moved_bytes"] != wrong["probes"][0]["expected_bytes"]
