@@ -124,9 +124,9 @@ def test_conv_layout_for_hybrid_model() -> None:
 
 
 def test_unsupported_model_fails() -> None:
-    # vLLM 0.25+ moves Mamba-1 state (ssm_conv_transfer_utils._supported lists MAMBA1); hybridpd cannot plan it yet
+    # vLLM 0.25+ moves Mamba-1 state (ssm_conv_transfer_utils._supported lists MAMBA1), and hybridpd plans it
     c = by_name(run_checks(model="jamba", probes=fake()))["model"]
-    assert c.status == FAIL and "layout-not-modelled" in c.detail
+    assert c.status == OK and "P/D supported" in c.detail
     # vLLM 0.24's derive_mamba_conv_split supports only MAMBA2 and GDN_ATTN
     c = by_name(run_checks(model="jamba", probes=fake(dists={"vllm": "0.24.0"})))["model"]
     assert c.status == FAIL and "unsupported-mamba-type" in c.detail

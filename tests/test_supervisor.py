@@ -435,20 +435,20 @@ def test_restart_waits_for_the_ports_of_the_failed_process(tiny_models: dict[str
     holder.bind(("127.0.0.1", d.side_channel_port))
     holder.listen()
 
-    def release() -> None:
-        time.sleep(2.5)
-        holder.close()
+    class Sup(Supervisor):
+        def status(self, msg: str) -> None:
+            super().status(msg)
+            if "still in use" in msg:  # the wait was seen: now free the port
+                holder.close()
 
-    import threading
-    threading.Thread(target=release, daemon=True).start()
     seen: dict[str, Any] = {}
 
     def ready(sup: Supervisor) -> None:
         seen["restarts"] = {c.spec.name: c.restarts for c in sup.children}
         sup.request_stop("test done")
 
-    code = Supervisor(lp, out=io.StringIO(), grace_s=2, poll_s=0.1, restart="on-failure", backoff_s=0.2,
-                      subreaper=False, on_ready=ready).run(install_signals=False)
+    code = Sup(lp, out=io.StringIO(), grace_s=2, poll_s=0.1, restart="on-failure", backoff_s=0.2,
+               subreaper=False, on_ready=ready).run(install_signals=False)
     assert code == 0 and seen["restarts"]["decode-0"] == 1
     err = capsys.readouterr().err
     assert f"decode-0: port(s) {d.side_channel_port} still in use; waiting up to 30 s before the restart" in err
