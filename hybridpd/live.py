@@ -103,11 +103,13 @@ def choose_isls(plan: Any, *, max_probes: int = 3) -> tuple[list[int], list[int]
         return [max(2, min(b + b // 2, cap))], []
     todo = set(confusable_block_sizes(b))
     chosen: list[int] = []
+
+    def covers(n: int, left: set[int]) -> set[int]:
+        return {x for x in left if _padded(cands[n], x) != _padded(cands[n], b)}
+
     while todo and len(chosen) < max_probes:
-        def covers(n: int) -> set[int]:
-            return {x for x in todo if _padded(cands[n], x) != _padded(cands[n], b)}
-        best = max(sorted(cands), key=lambda n: (len(covers(n)), -n))
-        got = covers(best)
+        best = max(sorted(cands), key=lambda n: (len(covers(n, todo)), -n))
+        got = covers(best, todo)
         if not got:
             break
         chosen.append(best)
