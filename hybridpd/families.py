@@ -529,6 +529,10 @@ def _architecture(cfg: _Cfg, family: str) -> str:
     return mt if isinstance(mt, str) else family
 
 
+# transformers 5 config-class defaults (NemotronHConfig.chunk_size, GraniteMoeHybridConfig.mamba_chunk_size, ...)
+_CHUNK_DEFAULT = {"nemotron_h": 128, "granitemoehybrid": 256, "falcon_h1": 256, "zamba2": 256, "mamba2": 256}
+
+
 def _spec(raw: RawModel, cfg: _Cfg, family: str, layers: tuple[CacheLayer, ...], pattern: str,
           mamba: MambaDims | None, attn: AttentionDims | None, mamba_type: str | None,
           hf_ssm: str | None = None, recurrent: Mamba1Dims | GdnDims | None = None,
@@ -537,10 +541,10 @@ def _spec(raw: RawModel, cfg: _Cfg, family: str, layers: tuple[CacheLayer, ...],
     dtype = _model_dtype(cfg)
     mpe = cfg.int("max_position_embeddings", bounds=POSITIONS) if cfg.raw.get("max_position_embeddings") is not None \
         else None
-    chunk_key = next((k for k in ("chunk_size", "mamba_chunk_size") if cfg.raw.get(k) is not None), None)
-    chunk = cfg.int(chunk_key, bounds=CHUNK) if chunk_key else None
-    if recurrent is not None and chunk is None:
-        chunk = 2048  # ModelConfig.get_mamba_chunk_size: "Mamba1 does not have a chunk notion" default
+    # ModelConfig.get_mamba_chunk_size reads mamba_chunk_size, then chunk_size, from the transformers config
+    # object, so the config class's default applies when config.json has neither; 2048 when the class has none.
+    chunk_key = next((k for k in ("mamba_chunk_size", "chunk_size") if cfg.raw.get(k) is not None), None)
+    chunk = cfg.int(chunk_key, bounds=CHUNK) if chunk_key else _CHUNK_DEFAULT.get(family, 2048)
     notes = list(cfg.notes)
     conf = raw.provenance.get("_confidence") if raw.provenance else None
     if isinstance(conf, dict) and conf.get("not_found"):

@@ -56,13 +56,16 @@ def test_unsupported_models_carry_reason_codes() -> None:
     data = _by_id()
     mamba1 = data["ai21labs/Jamba-v0.1"]
     assert mamba1["mamba_type"] == "mamba1"
-    # derive_mamba_conv_split's _supported gains MAMBA1 in 0.25 (read from the wheels): before, vLLM refuses;
-    # from 0.25 vLLM moves it but hybridpd does not model the Mamba-1 layout
+    # derive_mamba_conv_split's _supported gains MAMBA1 in 0.25 (read from the wheels): before, vLLM refuses
     for name, s in mamba1["pd_support"].items():
-        want = "unsupported-mamba-type" if tuple(map(int, name.split("."))) < (0, 25) else "layout-not-modelled"
-        assert s == {"supported": False, "reason": want}, name
+        before = tuple(map(int, name.split("-")[0].split("."))) < (0, 25)
+        want = {"supported": False, "reason": "unsupported-mamba-type"} if before else {"supported": True, "reason": None}
+        assert s == want, name
     gdn = data["Qwen/Qwen3-Next-80B-A3B-Instruct"]
-    assert gdn["mamba_type"] == "gdn" and not any(s["supported"] for s in gdn["pd_support"].values())
+    # GDN_ATTN joins derive_mamba_conv_split's _supported in 0.22
+    assert gdn["mamba_type"] == "gdn"
+    for name, s in gdn["pd_support"].items():
+        assert s["supported"] is (tuple(map(int, name.split("-")[0].split("."))) >= (0, 22)), name
     free = data["state-spaces/mamba2-2.7b"]
     assert free["attention_layers"] == 0
     assert all(s == {"supported": False, "reason": "attention-free"} for s in free["pd_support"].values())
@@ -78,8 +81,8 @@ def test_human_table_shows_release_ranges_and_reasons() -> None:
     assert res.exit_code == 0, res.output
     names = profile_names()
     assert f"yes {names[0]}-{names[-1]}" in res.output  # e.g. Nemotron: every profile, one range
-    # Jamba: refused before 0.25 (no Mamba-1 split), moved but not modelled from 0.25
-    assert "no 0.20-0.24 (unsupported-mamba-type); no 0.25-" in res.output
+    # Jamba: refused before 0.25 (no Mamba-1 split), moved from 0.25
+    assert "no 0.20-0.24 (unsupported-mamba-type); yes 0.25-0.33" in res.output
     assert "nano-fp8" in res.output and "23M / 6A" in res.output
 
 
@@ -103,7 +106,7 @@ def test_heterogeneous_tp_is_not_hidden_behind_tp_1_1() -> None:
 def test_supported_only_filters() -> None:
     res = CliRunner().invoke(cli, ["models", "--supported-only", "--json"])
     ids = {e["id"] for e in json.loads(res.output)}
-    assert "ai21labs/Jamba-v0.1" not in ids and "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-FP8" in ids
+    assert "state-spaces/mamba2-2.7b" not in ids and "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-FP8" in ids
 
 
 def test_fast() -> None:
