@@ -13,6 +13,7 @@ script's folder; the spawned rank processes get the same sys.path).
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from hybridpd.nixl_agent import BenchContext, Peer, RankProcesses, check_devices, connect, pin, serve, ucx_report
-from hybridpd.nixl_wrap import Memory, Placement, import_nixl, nx3, post_and_wait, set_env, wait
+from hybridpd.nixl_wrap import Memory, Placement, Reader, import_nixl, make_agent, nx3, post_and_wait, set_env, wait
 from hybridpd.rehearsal import D_INIT
 
 WARM_S = 0.3
@@ -105,18 +106,52 @@ def _vm_readv(ctx: BenchContext) -> Callable[[], None] | None:
     return step
 
 
-def variants(ctx: BenchContext) -> dict[str, Any]:
+def _alt_reader(ctx: BenchContext, env: dict[str, str]) -> tuple[Reader, Any]:
+    """A second D agent, created under other UCX settings (UCX reads them when an agent's context is made),
+    over the same memory and descriptor lists: the rehearsal's READ under both settings, interleaved."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        agent = make_agent(f"{ctx.reader.agent.name}-alt")
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    reg = ctx.memory.register(agent)
+    r = ctx.reader
+    alt = Reader(agent=agent, names={pr: agent.add_remote_agent(p.metadata) for pr, p in ctx.peers.items()},
+                 views=r.views, local_mem=r.local_mem, local_dev=r.local_dev, remote_mem=r.remote_mem,
+                 remote_dev=r.remote_dev)
+    alt.prep()
+    return alt, reg
+
+
+def _identical(memory: Memory, reference: list[np.ndarray]) -> bool:
+    return all(np.array_equal(a, b) for a, b in zip(memory.host(), reference, strict=True))
+
+
+def variants(ctx: BenchContext, alt_ucx: dict[str, str] | None = None) -> dict[str, Any]:
     """The ``run_nixl(bench=variants)`` hook: see the module docstring.  Returns, per variant, the timed
-    rounds (``read_times_s``, all the same length, round i of every variant run back to back)."""
+    rounds (``read_times_s``, all the same length, round i of every variant run back to back).  With
+    ``alt_ucx`` (bind it with functools.partial) the rehearsal's READ is also timed from a second agent made
+    under those UCX settings (``rehearsal_alt``)."""
     r, memory = ctx.reader, ctx.memory
     out: dict[str, Any] = {}
     handles = {name: _bare_handles(ctx, c) for name, c in (("bare", False), ("coalesced", True))}
     for name, (hs, n) in handles.items():
         memory.fill(D_INIT)
         post_and_wait(r.agent, hs)
-        out[name] = {"descriptors": n, "read_times_s": [],
-                     "identical": all(np.array_equal(a, b) for a, b in zip(memory.host(), ctx.reference, strict=True))}
+        out[name] = {"descriptors": n, "read_times_s": [], "identical": _identical(memory, ctx.reference)}
     steps: dict[str, Callable[[], Any]] = {"rehearsal": r.read}
+    alt = None
+    if alt_ucx:
+        alt, alt_reg = _alt_reader(ctx, alt_ucx)
+        memory.fill(D_INIT)
+        alt.read()
+        out["rehearsal_alt"] = {"ucx": alt_ucx, "read_times_s": [], "identical": _identical(memory, ctx.reference)}
+        steps["rehearsal_alt"] = alt.read
     steps.update({name: (lambda hs=hs: post_and_wait(r.agent, hs)) for name, (hs, _) in handles.items()})
     if memory.dev == "cpu":
         nbytes = int(sum(int(ln.sum()) for *_, ln in _request(ctx, coalesced=False)))
@@ -138,6 +173,9 @@ def variants(ctx: BenchContext) -> dict[str, Any]:
     for hs, _ in handles.values():
         for h in hs:
             r.agent.release_xfer_handle(h)
+    if alt is not None:
+        alt.close()
+        alt.agent.deregister_memory(alt_reg)
     return out
 
 

@@ -1,13 +1,15 @@
 """Rehearsal READ throughput on DRAM as a ratio to a memcpy of the same bytes, both timed in one run.
 
   UCX_NET_DEVICES=lo python bench/bench_rehearsal.py [MODEL] [--ptp 1] [--dtp 1] [--blocks 8] [--repeat 2]
-      [--rounds 20] [--ucx K=V[,K=V]] ... [--json]
+      [--rounds 20] [--alt-ucx K=V[,K=V]] [--ucx K=V[,K=V]] ... [--json]
 
 Each of ``--repeat`` runs starts fresh P and D rank processes (``run_nixl``, bit-exact check on).  Then, in
 each D rank process, ``--rounds`` rounds run back to back (bench/_nixl_bench.py ``variants``):
 
 * ``rehearsal``: the rehearsal's READ, vLLM's per-request work (make_prepped_xfer with the request's desc
   ids on the lists prepped at handshake, one per source P rank, post, poll until DONE) -- the figure;
+* ``rehearsal_alt``: the same READ from a second D agent made under ``--alt-ucx`` (default
+  UCX_CMA_SEG_SIZE=512k, UCX's own cma segment, i.e. what the rehearsal did before it set 64m);
 * ``bare``: the same descriptors as one initialize_xfer READ made once and re-posted (no per-request make);
 * ``coalesced``: bare, with descriptors contiguous on both sides merged (a what-if; vLLM does not do it);
 * ``vm_readv``: a raw process_vm_readv of the request's descriptors (the kernel copy UCX's cma uses);
@@ -25,6 +27,7 @@ import json
 import os
 import statistics
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -35,7 +38,8 @@ from hybridpd.plan import build_plan
 from hybridpd.rehearsal import make_setup
 from hybridpd.settings import EngineSettings
 
-ORDER = ("rehearsal", "bare", "coalesced", "vm_readv", "memcpy")
+ORDER = ("rehearsal", "rehearsal_alt", "bare", "coalesced", "vm_readv", "memcpy")
+UCX_DEFAULT = "UCX_CMA_SEG_SIZE=512k"  # UCX's own cma segment; the rehearsal sets 64m (hybridpd.nixl_wrap)
 
 
 def _env_of(spec: str) -> dict[str, str]:
@@ -48,12 +52,12 @@ def _env_of(spec: str) -> dict[str, str]:
     return out
 
 
-def _run(s: Any, rounds: int, env: dict[str, str]) -> tuple[list[dict[str, Any]], float]:
+def _run(s: Any, rounds: int, env: dict[str, str], alt: dict[str, str]) -> tuple[list[dict[str, Any]], float]:
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # spawned rank processes inherit it; the rehearsal only sets defaults
     try:
         t0 = time.perf_counter()
-        res = run_nixl(s, repeat=rounds, bench=variants)
+        res = run_nixl(s, repeat=rounds, bench=partial(variants, alt_ucx=alt or None))
         return res, time.perf_counter() - t0
     finally:
         for k, v in old.items():
@@ -88,6 +92,16 @@ def summarize(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+def _speedup(runs: list[list[dict[str, Any]]]) -> dict[str, float] | None:
+    """Per round, rehearsal_alt time / rehearsal time (the two READs ran back to back)."""
+    xs = [a / b for res in runs for r in res if "rehearsal_alt" in r["bench"]
+          for a, b in zip(r["bench"]["rehearsal_alt"]["read_times_s"], r["bench"]["rehearsal"]["read_times_s"], strict=True)]
+    if not xs:
+        return None
+    q = np.quantile(xs, [0.0, 0.25, 0.5, 0.75, 1.0])
+    return {"median": float(q[2]), "q1": float(q[1]), "q3": float(q[3]), "min": float(q[0]), "max": float(q[4])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default="nano-fp8")
@@ -98,6 +112,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20, help="timed rounds of every variant per D rank per run")
     ap.add_argument("--ucx", action="append", default=None,
                     help='UCX settings "K=V,K=V" to measure ("" = the rehearsal\'s own); repeatable')
+    ap.add_argument("--alt-ucx", default=UCX_DEFAULT,
+                    help=f'UCX settings of the rehearsal_alt agent (default "{UCX_DEFAULT}"; "" leaves it out)')
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     a = ap.parse_args()
     configs = a.ucx if a.ucx is not None else [""]
@@ -110,10 +126,13 @@ def main() -> None:
     first: dict[str, list[float]] = {c: [] for c in configs}
     for _ in range(a.repeat):
         for c, env in zip(configs, envs, strict=True):
-            res, wall = _run(s, a.rounds, env)
+            res, wall = _run(s, a.rounds, env, _env_of(a.alt_ucx))
             bad = [m for r in res for m in r["mismatches"]]
             if bad:
                 raise SystemExit(f"rehearsal FAILED under {c!r}: {bad[:3]}")
+            differ = sorted({k for r in res for k, v in r["bench"].items() if v.get("identical") is False})
+            if differ:
+                raise SystemExit(f"variants {differ} left D different from the rehearsal's READ under {c!r}")
             runs[c].append(res)
             walls[c].append(wall)
             first[c].extend(r["first_elapsed_s"] for r in res)
@@ -122,9 +141,10 @@ def main() -> None:
             "bytes_per_d_rank": r0["moved_bytes"], "descriptors_per_d_rank": r0["moved_descriptors"],
             "telemetry_descriptors": (r0["telemetry"] or {}).get("descriptors"),
             "coalesced_descriptors": r0["bench"]["coalesced"]["descriptors"], "reads_per_d_rank": r0["reads"],
+            "alt_ucx": _env_of(a.alt_ucx),
             "repeat": a.repeat, "rounds": a.rounds, "load_avg": os.getloadavg()[0]}
     figures = {c or "default": {"ucx": envs[i], "variants": summarize(runs[c]), "wall_s": walls[c],
-                                "first_read_s": first[c]} for i, c in enumerate(configs)}
+                                "first_read_s": first[c], "alt_speedup": _speedup(runs[c])} for i, c in enumerate(configs)}
     if a.json:
         print(json.dumps({**head, "configs": figures}, indent=1))
         return
@@ -135,10 +155,13 @@ def main() -> None:
     for name, f in figures.items():
         print(f"\n[{name}] {f['ucx'] or 'rehearsal defaults'}; run wall {', '.join(f'{w:.1f}' for w in f['wall_s'])} s; "
               f"first (cold) READ {statistics.median(f['first_read_s']) * 1e3:.1f} ms")
-        print(f"  {'variant':<10} {'median':>9} {'GB/s':>7}   ratio to memcpy: median [middle half] (min..max)")
+        print(f"  {'variant':<13} {'median':>9} {'GB/s':>7}   ratio to memcpy: median [middle half] (min..max)")
         for v, x in f["variants"].items():
-            print(f"  {v:<10} {x['median_s'] * 1e3:7.2f}ms {x['median_GBps']:7.2f}   {x['ratio_median']:6.1%} "
+            print(f"  {v:<13} {x['median_s'] * 1e3:7.2f}ms {x['median_GBps']:7.2f}   {x['ratio_median']:6.1%} "
                   f"[{x['ratio_q1']:.1%}..{x['ratio_q3']:.1%}] ({x['ratio_min']:.1%}..{x['ratio_max']:.1%})")
+        if (sp := f["alt_speedup"]) is not None:
+            print(f"  rehearsal is x{sp['median']:.3f} faster than rehearsal_alt ({head['alt_ucx']}) per round, median "
+                  f"[middle half x{sp['q1']:.3f}..x{sp['q3']:.3f}] (x{sp['min']:.2f}..x{sp['max']:.2f})")
 
 
 if __name__ == "__main__":

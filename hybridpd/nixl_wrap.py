@@ -21,6 +21,7 @@ from .errors import ExternalToolError, UsageError
 from .gpus import require_gpu
 
 WAIT_S = 60.0
+CMA_SEG_SIZE = "64m"  # UCX's default is 512k (uct scopy UCT_SCOPY_IFACE_SEG_SIZE)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,10 @@ def set_env(gpu: bool = False, ucx_log: str | None = None) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # vLLM sets it too
+    # DRAM READs go over UCX's cma (process_vm_readv), which by default copies 512 KiB per progress call and
+    # syscall: a KV descriptor of 2 MiB costs 4 calls.  One call per descriptor brought the rehearsal's READ
+    # from ~80 % to ~90 % of a memcpy of the same bytes (bench/bench_rehearsal.py); no effect on cuda_ipc.
+    os.environ.setdefault("UCX_CMA_SEG_SIZE", CMA_SEG_SIZE)
     if gpu:
         # without it UCX disables cuda_ipc READs when it sees no NVLink and falls back to TCP through host
         # memory (~0.4 GB/s on an H200; nixl-notes section 5)
