@@ -7,8 +7,8 @@ Each RUN_DIR holds ``plan.json`` (`hybridpd plan ... --isl L1,L2,.. --json`, sam
 (they must be equal), vLLM's reported transfer time (median, min, max of ``vllm:nixl_xfer_time_seconds``) and post
 time. ``--fit`` fits ``reads*t0 + n_desc*c + bytes/bw`` (hybridpd.estimate.fit_engine_calibration) to the medians
 of all runs given and reports, per length, the in-sample ratio and the leave-one-length-out ratio (fitted without
-that length). ``--figure``: bytes per request vs input length, naive (padded pages) vs plan vs measured, for the
-first RUN_DIR. The expected values are the plan's; nothing here is compared with itself.
+that length). ``--figure``: bytes per request vs input length, naive (padded pages) vs plan vs measured, every
+length of every RUN_DIR given. The expected values are the plan's; nothing here is compared with itself.
 """
 
 from __future__ import annotations
@@ -112,10 +112,10 @@ def figure(rows: list[dict[str, Any]], png: Path, title: str) -> None:
         ax.plot([r["isl"]] * len(r["bytes"]), [b / 2**20 for b in r["bytes"]], "x", color="black", ms=9,
                 label="measured (vLLM D /metrics)" if r is rows[0] else None)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(x, [f"{v // 1000}k" if v >= 1000 else str(v) for v in x])
+    ax.set_xticks(x, [f"{v / 1000:g}k" if v >= 1000 else str(v) for v in x])
     ax.set_xlabel("input length (tokens)")
     ax.set_ylabel("KV bytes per request P→D (MiB)")
-    ax.set_title(title, fontsize=10)
+    fig.suptitle(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     # the padding the plan skips is small next to the state itself: show it on its own axis
@@ -125,10 +125,9 @@ def figure(rows: list[dict[str, Any]], png: Path, title: str) -> None:
         ax2.plot([r["isl"]] * len(r["bytes"]), [(r["naive_bytes"] - b) / 2**10 for b in r["bytes"]], "x", color="black",
                  ms=9, label="naive − measured" if r is rows[0] else None)
     ax2.set_xscale("log", base=2)
-    ax2.set_xticks(x, [f"{v // 1000}k" if v >= 1000 else str(v) for v in x])
+    ax2.set_xticks(x, [f"{v / 1000:g}k" if v >= 1000 else str(v) for v in x])
     ax2.set_xlabel("input length (tokens)")
     ax2.set_ylabel("HMA padding not sent (KiB per request)")
-    ax2.set_title("bytes saved vs naive", fontsize=10)
     ax2.grid(alpha=0.3)
     ax2.legend()
     fig.tight_layout()
@@ -181,8 +180,7 @@ def main() -> None:
     if a.fit:
         print("fit:", json.dumps(res["fit"]))
     if a.figure:
-        first = a.runs.split(",")[0]
-        figure([r for r in rows if r["run"] == Path(first).name], a.figure, a.title)
+        figure(sorted(rows, key=lambda r: r["isl"]), a.figure, a.title)
     if a.json_out:
         a.json_out.write_text(json.dumps(res, indent=1))
 

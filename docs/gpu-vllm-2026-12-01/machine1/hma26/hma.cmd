@@ -1,0 +1,1 @@
+python3 -m vllm.entrypoints.openai.api_server --model /tmp/hpd/runs/hma26/nemotronh --host 127.0.0.1 --port 9500 --seed 0 --gpu-memory-utilization 0.1 --kv-cache-memory-bytes 1073741824 --max-model-len 512 --enforce-eager --no-enable-prefix-caching --kv-transfer-config {"kv_connector":"NixlConnector","kv_role":"kv_both"}
