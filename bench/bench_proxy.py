@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -391,6 +393,14 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b and b == b and a == a else float("nan")
 
 
+async def _measure(url: str, name: str, args: argparse.Namespace, stream: bool, concurrency: int,
+                   pid: int | None) -> Row:
+    row = Row(name)
+    await _load(url, row, requests=args.requests, concurrency=concurrency, tokens=args.tokens, stream=stream,
+                warmup_seconds=args.warmup_seconds, max_seconds=args.max_seconds, pid=pid)
+    return row
+
+
 async def _bench(args: argparse.Namespace) -> int:
     fakes = _spawn("--serve-fakes")
     procs: list[subprocess.Popen[bytes]] = []
@@ -426,16 +436,17 @@ async def _bench(args: argparse.Namespace) -> int:
         for proc, name in zip(procs, [n for n in routers if n != "direct"], strict=True):
             await _wait_healthy(routers[name] or "", proc)
             pids[name] = proc.pid
-        for stream in args.modes:
-            for concurrency in args.concurrency:
-                cell = Cell(stream, concurrency, {})
-                for name, url in routers.items():
-                    row = Row(name)
-                    await _load(url or "", row, requests=args.requests, concurrency=concurrency,
-                                tokens=args.tokens, stream=stream, warmup_seconds=args.warmup_seconds,
-                                max_seconds=args.max_seconds, pid=pids.get(name))
-                    cell.rows[name] = row
-                cells.append(cell)
+        names = list(routers)
+        for rep in range(args.repeat):
+            order = names[rep % len(names):] + names[:rep % len(names)]  # rotate: no path always first
+            for stream in args.modes:
+                for concurrency in args.concurrency:
+                    cell = Cell(stream, concurrency, {})
+                    for name in order:
+                        cell.rows[name] = await _measure(routers[name] or "", name, args, stream, concurrency,
+                                                         pids.get(name))
+                    cell.rows = {n: cell.rows[n] for n in names}
+                    cells.append(cell)
     finally:
         for proc in procs:
             _stop(proc)
@@ -446,52 +457,72 @@ async def _bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _median(values: list[float]) -> float:
+    finite = [v for v in values if v == v]
+    return statistics.median(finite) if finite else float("nan")
+
+
 def _report(args: argparse.Namespace, cells: list[Cell], skipped: dict[str, str], violations: str) -> None:
+    """One line per (mode, concurrency, path): the MEDIAN over ``--repeat`` runs of each figure (ratios are
+    medians of the per-run ratios), which a busy shared machine needs."""
+    runs: dict[tuple[bool, int], list[Cell]] = {}
+    for cell in cells:
+        runs.setdefault((cell.stream, cell.concurrency), []).append(cell)
     print(f"\nproxy benchmark: {args.tokens} tokens/answer, per cell {args.warmup_seconds:g} s warm-up then at most "
-          f"{args.requests} requests or {args.max_seconds:g} s; {os.cpu_count()} CPUs shared by load generator, "
-          f"routers and fake backends; hybridpd's event loop: "
-          f"{'uvloop' if importlib.util.find_spec('uvloop') else 'asyncio'}")
+          f"{args.requests} requests or {args.max_seconds:g} s, median of {args.repeat} run(s); {os.cpu_count()} CPUs "
+          f"shared by load generator, routers and fake backends; hybridpd's event loop: "
+          f"{'uvloop' if importlib.util.find_spec('uvloop') else 'asyncio'}; load average "
+          f"{os.getloadavg()[0]:.1f}")
     header = (f"{'mode':6} {'conc':>4} {'path':12} {'done':>6} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7}"
               f" {'+p50 ms':>8} {'+p99 ms':>8} {'cpu us/req':>10} {'errors':>6}")
     print(header)
     print("-" * len(header))
     summary = []
-    for cell in cells:
-        direct = cell.rows["direct"]
-        mode = "stream" if cell.stream else "json"
-        for name, row in cell.rows.items():
-            add50 = _added(row, direct, 0.5) if name != "direct" else 0.0
-            add99 = _added(row, direct, 0.99) if name != "direct" else 0.0
-            done = f"{len(row.latencies):5d}{'*' if row.capped else ' '}"
-            print(f"{mode:6} {cell.concurrency:4d} {name:12} {done} {row.rps:7.0f} {row.pct(0.5):7.2f}"
-                  f" {row.pct(0.99):7.2f} {add50:8.2f} {add99:8.2f} {row.cpu_us_per_request:10.0f} {row.errors:6d}")
-            if row.first_error:
-                print(f"    first error: {row.first_error}")
-        ours, theirs = cell.rows.get("hybridpd"), cell.rows.get("vllm-router")
-        if ours is not None and theirs is not None:
-            summary.append((mode, cell.concurrency,
-                            _ratio(_added(ours, direct, 0.5), _added(theirs, direct, 0.5)),
-                            _ratio(_added(ours, direct, 0.99), _added(theirs, direct, 0.99)),
-                            _ratio(ours.rps, theirs.rps),
-                            _ratio(ours.cpu_us_per_request, theirs.cpu_us_per_request)))
+    rows_json = []
+    for (stream, conc), group in runs.items():
+        mode = "stream" if stream else "json"
+        names = list(group[0].rows)
+        for name in names:
+            per = [(c.rows[name], c.rows["direct"]) for c in group]
+            fig = {
+                "requests": sum(len(r.latencies) for r, _ in per),
+                "rps": _median([r.rps for r, _ in per]),
+                "p50_ms": _median([r.pct(0.5) for r, _ in per]),
+                "p99_ms": _median([r.pct(0.99) for r, _ in per]),
+                "added_p50_ms": _median([_added(r, d, 0.5) for r, d in per]) if name != "direct" else 0.0,
+                "added_p99_ms": _median([_added(r, d, 0.99) for r, d in per]) if name != "direct" else 0.0,
+                "router_cpu_us_per_request": _median([r.cpu_us_per_request for r, _ in per]),
+                "errors": sum(r.errors for r, _ in per),
+            }
+            rows_json.append({"stream": stream, "concurrency": conc, "path": name,
+                              **{k: (None if v != v else v) for k, v in fig.items()}})  # NaN -> null
+            print(f"{mode:6} {conc:4d} {name:12} {fig['requests']:6d} {fig['rps']:7.0f} {fig['p50_ms']:7.2f}"
+                  f" {fig['p99_ms']:7.2f} {fig['added_p50_ms']:8.2f} {fig['added_p99_ms']:8.2f}"
+                  f" {fig['router_cpu_us_per_request']:10.0f} {fig['errors']:6d}")
+            first = next((r.first_error for r, _ in per if r.first_error), None)
+            if first:
+                print(f"    first error: {first}")
+        if "hybridpd" in names and "vllm-router" in names:
+            def med(f: Any, group: list[Cell] = group) -> float:
+                return _median([f(c.rows["hybridpd"], c.rows["vllm-router"], c.rows["direct"]) for c in group])
+            summary.append((mode, conc,
+                            med(lambda o, t, d: _ratio(_added(o, d, 0.5), _added(t, d, 0.5))),
+                            med(lambda o, t, d: _ratio(_added(o, d, 0.99), _added(t, d, 0.99))),
+                            med(lambda o, t, d: _ratio(o.rps, t.rps)),
+                            med(lambda o, t, d: _ratio(o.cpu_us_per_request, t.cpu_us_per_request))))
     for name, why in skipped.items():
         print(f"{name}: skipped ({why})")
     if summary:
-        print("\nhybridpd / vllm-router (added latency: lower is better; throughput: higher is better)")
+        print("\nhybridpd / vllm-router (added latency and CPU: lower is better; throughput: higher is better)")
         print(f"{'mode':6} {'conc':>4} {'+p50 ratio':>10} {'+p99 ratio':>10} {'req/s ratio':>11} {'cpu/req ratio':>13}")
         for mode, conc, r50, r99, rps, cpu in summary:
             print(f"{mode:6} {conc:4d} {r50:10.2f} {r99:10.2f} {rps:11.2f} {cpu:13.2f}")
     if any(r.capped for c in cells for r in c.rows.values()):
-        print(f"* stopped after --max-seconds {args.max_seconds:g} (rates stay comparable)")
+        print(f"(cells stopped after --max-seconds {args.max_seconds:g}; rates stay comparable)")
     print(f"(fake-backend protocol violations: {violations.split(' ', 1)[1]})")
     if args.json:
-        data = [{"stream": c.stream, "concurrency": c.concurrency, "path": n, "requests": len(r.latencies),
-                 "rps": r.rps, "p50_ms": r.pct(0.5), "p99_ms": r.pct(0.99),
-                 "added_p50_ms": _added(r, c.rows["direct"], 0.5), "added_p99_ms": _added(r, c.rows["direct"], 0.99),
-                 "router_cpu_us_per_request": r.cpu_us_per_request if r.cpu_s is not None else None,
-                 "errors": r.errors} for c in cells for n, r in c.rows.items()]
         tmp = Path(args.json + ".tmp")
-        tmp.write_text(json.dumps({"cells": data, "skipped": skipped}, indent=1))
+        tmp.write_text(json.dumps({"rows": rows_json, "skipped": skipped, "repeat": args.repeat}, indent=1))
         tmp.replace(args.json)
 
 
@@ -516,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-stream", dest="modes", action="store_const", const=[False], help="non-streaming only")
     ap.add_argument("--max-seconds", type=float, default=4.0, help="stop a cell's row after this long (default 4)")
     ap.add_argument("--warmup-seconds", type=float, default=1.0, help="unmeasured warm-up per row (default 1)")
+    ap.add_argument("--repeat", type=int, default=1, help="run the whole matrix N times, report medians")
     ap.add_argument("--vllm-router", default=None, help="vllm-router executable (default: found like serve does)")
     ap.add_argument("--with-toy", action="store_true", help="also vLLM's toy proxy design (fastapi/httpx/uvicorn)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
@@ -540,8 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_toy:
         _serve_toy(args.serve_toy[0], args.serve_toy[1], int(args.serve_toy[2]))
         return 0
-    if args.requests < 1 or args.tokens < 1:
-        ap.error("--requests and --tokens must be >= 1")
+    if args.requests < 1 or args.tokens < 1 or args.repeat < 1:
+        ap.error("--requests, --tokens and --repeat must be >= 1")
     return asyncio.run(_bench(args))
 
 
