@@ -3,8 +3,9 @@ held to the release's own profile.
 
 Per model style (NemotronH-style n_groups 2, Granite-style n_groups 1; seeded random weights made in the test by
 ``make_hybrid.py``), one P and one D share GPU 0, each with a 1 GiB KV budget:
-- `hybridpd verify` live through the proxy: bytes and descriptors exact per request (one block, then the default
-  lengths), and the plan told a wrong setting (fp8 KV) must fail;
+- `hybridpd verify` live through the proxy: bytes exact per request, descriptors exact where the release issues a
+  fixed count and within the plan's bounds where it merges contiguous blocks (0.26), one READ (one block, then
+  the default lengths); the plan told a wrong setting (fp8 KV) must fail;
 - completions through the proxy (plain and streamed) equal, token ids and logprobs, a non-disaggregated run of the
   same prompt whose prefill is split N-1 + 1 the same way. That run is P itself answering a plain request (no
   ``kv_transfer_params``): P runs with ``--max-num-batched-tokens N-1``, so its prefill is N-1 tokens and then 1,
