@@ -183,7 +183,7 @@ def render_rehearsal(data: dict[str, Any]) -> Report:
     rows: list[Sequence[Any]] = []
     for r in data["per_rank"]:
         ec, mc, bad = r["expected_components"], r["moved_components"], r["mismatched_bytes"]
-        for c in ("FA", "x", "B", "C", "SSM"):
+        for c in ec:  # FA, the model's conv sub-projections (x/B/C, x, Q/K/V), SSM
             if ec[c] or mc[c] or bad.get(c):
                 rows.append([r["rank"], c, ec[c], mc[c], bad.get(c, 0), "ok" if ec[c] == mc[c] and not bad.get(c)
                              else "MISMATCH"])

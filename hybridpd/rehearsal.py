@@ -4,7 +4,8 @@ Pure logic (numpy only, no NIXL) so it can be unit tested:
 
 * ``make_setup``   sizes the rehearsal (logical blocks per rank, request length, block ids per group);
 * ``fill_prefill`` writes what P rank r holds: every byte derives from a seeded full-model (TP=1) state,
-  sharded with ``mamba.rank_channels`` / ``transfer.kv_heads_of_rank``; padding, unused token slots and
+  sharded with the rank state's ``conv_channel_map`` / ``ssm_rows`` (``hybridpd.mamba``) and
+  ``transfer.kv_heads_of_rank``; padding, unused token slots and
   blocks outside the request get guard bytes;
 * ``expected_decode`` is the ground truth for D rank r after a correct transfer (its own x/B/C channels,
   SSM heads and KV heads; padding and other blocks untouched);
@@ -27,7 +28,6 @@ from .descriptors import DescTable, _fa_part, _mamba_part, local_table, remote_t
 from .errors import UsageError
 from .findings import ERROR
 from .layout import SideLayout, cdiv
-from .mamba import global_conv_channel_index, rank_channels
 from .plan import Plan
 from .transfer import SourceRead, kv_heads_of_rank, tokens_transferred
 
@@ -37,7 +37,12 @@ P_OTHER = 0xEF  # P's blocks that belong to no request group
 D_INIT = 0x5A  # every D byte before the READ
 DEFAULT_BLOCKS = 64
 DEFAULT_MAX_RANK_BYTES = 64 * 1024 * 1024
-COMPONENTS = ("FA", "x", "B", "C", "SSM")
+COMPONENTS = ("FA", "x", "B", "C", "SSM")  # Mamba2's; components_of() gives each model's
+
+
+def components_of(side: SideLayout) -> tuple[str, ...]:
+    """FA, then the model's conv sub-projections (x|B|C, x, or Q|K|V), then SSM."""
+    return ("FA", *side.mamba.part_names, "SSM") if side.mamba is not None else COMPONENTS
 INJECTIONS = ("offset", "length")
 ALLOWED_ERRORS = {"conv-state-corruption"}  # vLLM runs these; the rehearsal must show the damage
 
@@ -77,9 +82,6 @@ def refuse_if_vllm_refuses(plan: Plan) -> None:
                          fix="run `hybridpd plan` to see why")
     if not plan.prefill.attention_groups:
         raise UsageError("refused: attention-free model, no P/D transfer to rehearse")
-    if plan.prefill.mamba is not None and plan.model.mamba is None:
-        raise UsageError(f"refused: the rehearsal models Mamba2 state only; {plan.model.model_id} has "
-                         f"{plan.model.mamba_type} layers", fix="use `hybridpd plan` for its figures")
     if plan.prefill.settings.conv_layout != "DS":
         raise UsageError("refused: the rehearsal models the DS conv layout only", field="--conv-layout", fix="use DS")
 
@@ -153,16 +155,12 @@ def full_fa(s: Setup, slot: int, group: int, j: int) -> np.ndarray:
 
 
 def full_mamba(s: Setup, slot: int, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """TP=1 conv state [x|B|C] as (channels, row bytes) in DS order, SSM state as (heads, head bytes)."""
-    dims = s.p.model.mamba
-    m = s.p.mamba
-    assert dims is not None and m is not None
-    rows = dims.intermediate_size + 2 * dims.n_groups * dims.state_size
-    row_bytes = m.conv.state_len * m.conv_elem
-    head_bytes = dims.head_dim * dims.state_size * m.ssm_elem
+    """TP=1 conv state (x|B|C, x or Q|K|V) as (channels, row bytes) in DS order, SSM state as (rows, row bytes)."""
+    assert s.p.mamba is not None
+    full = s.p.mamba.at_tp(1)
     rng = np.random.default_rng([s.seed, 3, slot, group])
-    return (rng.integers(0, 256, (rows, row_bytes), dtype=np.uint8),
-            rng.integers(0, 256, (dims.num_heads, head_bytes), dtype=np.uint8))
+    return (rng.integers(0, 256, (full.conv.dim, full.conv.row_bytes), dtype=np.uint8),
+            rng.integers(0, 256, (full.heads, full.ssm_row_bytes), dtype=np.uint8))
 
 
 def rank_kernel_page(side: SideLayout, rank: int, kern: np.ndarray) -> np.ndarray:
@@ -177,12 +175,10 @@ def rank_kernel_page(side: SideLayout, rank: int, kern: np.ndarray) -> np.ndarra
 
 
 def rank_mamba_page(side: SideLayout, rank: int, conv: np.ndarray, ssm: np.ndarray, pad: int | None) -> np.ndarray:
-    dims = side.model.mamba
     m = side.mamba
-    assert dims is not None and m is not None
-    ch = rank_channels(dims, side.tp, rank)
-    c = conv[global_conv_channel_index(dims, ch)].reshape(-1)
-    h = ssm[list(ch.heads)].reshape(-1)
+    assert m is not None
+    c = conv[m.conv_channel_map(rank)].reshape(-1)
+    h = ssm[list(m.ssm_rows(rank))].reshape(-1)
     assert c.size == m.conv_bytes and h.size == m.ssm_bytes, (c.size, m.conv_bytes, h.size, m.ssm_bytes)
     out = np.full(side.page_size_bytes, pad if pad is not None else 0, dtype=np.uint8)
     out[:c.size] = c
@@ -263,7 +259,7 @@ def _local_table_for(d: SideLayout, src: SourceRead, fa_index: int, n_fa: int, b
         fa_a, fa_l = np.zeros(0, np.uint64), np.zeros(0, np.uint64)
     spans: list[tuple[int, int]] = []
     if d.mamba is not None and d.mamba_groups:
-        full = [*d.mamba.conv.local_offsets(), (d.mamba.conv_bytes, d.mamba.ssm_bytes)]
+        full = list(d.mamba.desc_spans())
         k, j = src.local_parts, src.local_slot
         spans = [(o + j * (ln // k), ln // k) for o, ln in full]
     m_a, m_l = _mamba_part(b, n_log, d.page_size_bytes, spans)
@@ -271,13 +267,14 @@ def _local_table_for(d: SideLayout, src: SourceRead, fa_index: int, n_fa: int, b
                      num_fa_descs=int(fa_a.shape[0]), n_phys=n_phys, n_log=n_log)
 
 
-def _components(table: DescTable, ids: np.ndarray) -> tuple[str, ...]:
+def _components(table: DescTable, ids: np.ndarray, names: tuple[str, ...]) -> tuple[str, ...]:
+    """names: the Mamba descriptors of a slot in order (x, B, C, SSM / x, SSM / Q, K, V, SSM)."""
     out = []
     for i in ids.tolist():
         if i < table.num_fa_descs:
             out.append("FA")
         else:
-            out.append(("x", "B", "C", "SSM")[((i - table.num_fa_descs) // table.n_log) % 4])
+            out.append(names[((i - table.num_fa_descs) // table.n_log) % len(names)])
     return tuple(out)
 
 
@@ -292,12 +289,12 @@ def transfer_views(s: Setup, rank: int, p_bases: dict[int, list[int]], d_bases: 
         fa_index = fa_srcs.index(src.p_rank) if src.p_rank in fa_srcs else 0
         local = _local_table_for(s.d, src, fa_index, len(fa_srcs), d_bases, s.n_log)
         has_fa = src.fa is not None
-        has_m = src.x is not None
+        has_m = src.conv is not None
         r_ids = request_desc_ids(s.p, remote, [list(b) for b in s.p_blocks], fa=has_fa, mamba=has_m)
         l_ids = request_desc_ids(s.d, local, [list(b) for b in s.d_blocks], fa=has_fa, mamba=has_m)
         assert r_ids.shape == l_ids.shape
         out.append(SourceView(p_rank=src.p_rank, local=local, remote=remote, local_ids=l_ids, remote_ids=r_ids,
-                              components=_components(remote, r_ids), injected=None))
+                              components=_components(remote, r_ids, components_of(s.p)[1:]), injected=None))
     if s.inject and rank == s.inject_rank and out:
         out[0] = inject_fault(s, out[0])
     return out
@@ -374,16 +371,11 @@ def _region(s: Setup, block: int, off: int) -> tuple[str, str, str]:
             return "FA", f"kernel block {k}, local KV head {head} {'KV'[kv]}", gname
         assert d.mamba is not None
         c = d.mamba.conv
-        row = c.state_len * c.elem_size
-        if off < c.x_bytes:
-            return "x", f"local x channel {off // row}", gname
-        if off < c.x_bytes + c.b_bytes:
-            return "B", f"local B channel {(off - c.x_bytes) // row}", gname
-        if off < c.x_bytes + 2 * c.b_bytes:
-            return "C", f"local C channel {(off - c.x_bytes - c.b_bytes) // row}", gname
+        for (start, length), name in zip(c.local_offsets(), c.names, strict=True):
+            if off < start + length:
+                return name, f"local {name} channel {(off - start) // c.row_bytes}", gname
         if off < d.mamba_page_bytes:
-            hb = d.mamba.ssm_bytes // d.mamba.heads
-            return "SSM", f"local SSM head {(off - c.nbytes) // hb}", gname
+            return "SSM", f"local SSM head {(off - c.nbytes) // d.mamba.ssm_row_bytes}", gname
         return "padding", "Mamba page padding", gname
     return "other", "block outside the request", "no group"
 
@@ -397,8 +389,8 @@ def _bounds(s: Setup, block: int) -> tuple[list[int], list[str]]:
                 return [0], ["FA"]
             assert d.mamba is not None
             c = d.mamba.conv
-            return ([0, c.x_bytes, c.x_bytes + c.b_bytes, c.x_bytes + 2 * c.b_bytes, d.mamba_page_bytes],
-                    ["x", "B", "C", "SSM", "padding"])
+            return ([o for o, _ in c.local_offsets()] + [c.nbytes, d.mamba_page_bytes],
+                    [*c.names, "SSM", "padding"])
     return [0], ["other"]
 
 
@@ -443,20 +435,20 @@ def expected_components(s: Setup, rank: int) -> dict[str, int]:
     p = s.p
     T = p.num_shared_tensors
     L = cdiv(s.n_tok, p.block_size)
-    out = dict.fromkeys(COMPONENTS, 0)
+    out = dict.fromkeys(components_of(p), 0)
     for src in s.plan.routes[rank].sources:
         if src.fa is not None:
             out["FA"] += T * len(p.attention_groups) * L * p.physical_per_logical * p.profile.kv_descs_per_block \
                 * src.fa[1]
-        if src.x is not None:
+        if src.conv is not None:
             G = len(p.mamba_groups)
-            for name, sp in (("x", src.x), ("B", src.b), ("C", src.c), ("SSM", src.ssm)):
-                out[name] += T * G * (sp[1] if sp else 0)
+            for name, sp in zip(components_of(p)[1:], src.mamba_spans, strict=True):
+                out[name] += p.num_ssm_slots * G * sp[1]
     return out
 
 
-def moved_components(views: list[SourceView]) -> tuple[dict[str, int], int]:
-    out = dict.fromkeys(COMPONENTS, 0)
+def moved_components(views: list[SourceView], names: tuple[str, ...] = COMPONENTS) -> tuple[dict[str, int], int]:
+    out = dict.fromkeys(names, 0)
     n = 0
     for v in views:
         lens = v.remote.length[v.remote_ids]
@@ -493,7 +485,7 @@ def rank_result(s: Setup, rank: int, views: list[SourceView], actual: list[np.nd
     expected = expected_decode(s, rank)
     runs, per_comp_bad = diff_decode(s, rank, actual, expected)
     exp_c = expected_components(s, rank)
-    mov_c, n_desc = moved_components(views)
+    mov_c, n_desc = moved_components(views, components_of(s.p))
     moved = sum(mov_c.values())
     pad = padding_moved(s, views, p_bases)
     mism: list[str] = []
@@ -508,7 +500,7 @@ def rank_result(s: Setup, rank: int, views: list[SourceView], actual: list[np.nd
                     f" (in {pages} pages){eg}")
     if moved != plan_rank.bytes:
         mism.append(f"D rank {rank}: moved {moved:,} B, plan predicts {plan_rank.bytes:,} B")
-    for c in COMPONENTS:
+    for c in components_of(s.p):
         if mov_c[c] != exp_c[c]:
             mism.append(f"D rank {rank}: region {c}: moved {mov_c[c]:,} B, plan predicts {exp_c[c]:,} B")
     if not plan_rank.descriptors_min <= n_desc <= plan_rank.descriptors:
