@@ -22,6 +22,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import struct
 import time
 import zlib
@@ -136,7 +137,10 @@ def _corrupt(path: Path, what: str) -> HybridPDError:
 def read_header(path: Path) -> Header:
     """Parse and validate a safetensors header (offsets contiguous, sizes consistent with shapes)."""
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # #15: a FIFO or device would block or stream for ever
+            raise _corrupt(path, "not a regular file")
+        size = st.st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -144,7 +148,15 @@ def read_header(path: Path) -> Header:
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER or 8 + n > size:
                 raise _corrupt(path, f"header length {n} exceeds the file ({size} bytes)")
-            raw = json.loads(f.read(n).decode("utf-8"))
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # #15 (never reached for a FIFO: open blocks first)
+                raise _corrupt(path, "not a regular file")
+            from .fsutil import parse_json_bytes  # #15: deep nesting, 5,001-digit ints, NaN -> a clean error
+
+            try:
+                raw = parse_json_bytes(f.read(n), where="header", field="INPUT")
+            except HybridPDError as e:
+                why = str(e).removeprefix("INPUT: ").split(" (fix:")[0].replace("header is not valid JSON", "header is not JSON")
+                raise _corrupt(path, why) from None
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}", field="INPUT") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -158,7 +170,8 @@ def read_header(path: Path) -> Header:
     for name, info in raw.items():
         try:
             dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            ok = isinstance(dtype, str) and all(isinstance(s, int) and s >= 0 for s in shape) and 0 <= begin <= end
+            ok = (isinstance(dtype, str) and all(type(s) is int and s >= 0 for s in shape)
+                  and type(begin) is int and type(end) is int and 0 <= begin <= end)  # #15: no floats/bools
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:

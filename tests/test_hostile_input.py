@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fuzz_cases as fc  # noqa: E402
 
 from hybridpd.errors import ConfigError, HybridPDError, UsageError  # noqa: E402
-from hybridpd.fsutil import NotANumber, output_target, parse_json_bytes, read_bounded, write_atomic  # noqa: E402
 
 CONFIGS = dict(fc.bundled())
 NANO = CONFIGS["nvidia__NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"]
@@ -285,6 +284,8 @@ def test_outputs_never_replace_what_the_user_did_not_mean(tmp_path: Path, cmd: l
 
 
 def test_write_atomic_parents_only_when_asked(tmp_path: Path) -> None:
+    from hybridpd.fsutil import output_target, write_atomic
+
     with pytest.raises(UsageError, match="does not exist"):
         write_atomic(str(tmp_path / "a" / "b.txt"), "x")
     write_atomic(str(tmp_path / "a" / "b.txt"), "x", parents=True)
@@ -304,6 +305,8 @@ def test_write_failure_says_nothing_was_written(tmp_path: Path) -> None:
 
 
 def test_read_bounded_and_json_limits(tmp_path: Path) -> None:
+    from hybridpd.fsutil import NotANumber, parse_json_bytes, read_bounded
+
     p = tmp_path / "x.json"
     p.write_bytes(b"x" * 101)
     with pytest.raises(ConfigError, match="limit"):
@@ -396,3 +399,55 @@ def test_any_value_for_any_read_key_is_typed(target: tuple[str, str], value: Any
         assert e.field is not None and (e.field.split("[")[0] in fc.FAMILY_KEYS[fam] or e.field == key), (e.field, e)
     except HybridPDError:
         pass
+
+
+# ---- convert: safetensors headers --------------------------------------------------------------------------------
+
+def _safetensors(header: bytes, data: bytes = b"\0" * 24) -> bytes:
+    import struct
+
+    return struct.pack("<Q", len(header)) + header + data
+
+
+_GOOD_HEADER = {"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}, "__metadata__": {"k": "v"}}
+_HEADER_VALUES = [v for _, v, _ in fc.VALUES] + ["[0.0, 24.0]", "[0, 24.5]", "[true, 24]", '["0", "24"]', "[24, 0]",
+                                                  "[-24, 0]", "[0, " + "9" * 5001 + "]", "[2.0, 3]", "[[2], 3]"]
+
+
+def _header_cases() -> list[tuple[str, bytes]]:
+    out = []
+    for path in (("a",), ("a", "dtype"), ("a", "shape"), ("a", "data_offsets"), ("__metadata__",),
+                 ("__metadata__", "k")):
+        for raw in _HEADER_VALUES:
+            marker = "\u0000M\u0000"
+            h = json.loads(json.dumps(_GOOD_HEADER))
+            node = h
+            for p in path[:-1]:
+                node = node[p]
+            node[path[-1]] = marker
+            out.append((f"{'.'.join(path)}={raw[:12]}", json.dumps(h).replace(json.dumps(marker), raw).encode()))
+    out += [("deep", b"[" * 5000 + b"]" * 5000), ("bad-utf8", b'{"\xff": 1}'), ("array", b"[1]"), ("nan", b"NaN")]
+    return out
+
+
+@pytest.mark.parametrize("name,header", _header_cases(), ids=[n for n, _ in _header_cases()])
+def test_hostile_safetensors_header_is_a_clean_error(tmp_path: Path, name: str, header: bytes) -> None:
+    from hybridpd.convert_io import read_header
+
+    p = tmp_path / "x.safetensors"
+    p.write_bytes(_safetensors(header))
+    try:
+        h = read_header(p)
+    except UsageError as e:
+        assert "not a valid safetensors file" in str(e) and "\n" not in str(e), e
+    else:  # accepted: then it really is a well-formed header
+        assert all(type(t.begin) is int and type(t.end) is int for t in h.tensors)
+        assert all(type(s) is int for t in h.tensors for s in t.shape)
+
+
+def test_safetensors_fifo_input_is_refused(tmp_path: Path) -> None:
+    from hybridpd.convert_io import read_header
+
+    os.mkfifo(tmp_path / "x.safetensors")
+    with pytest.raises(UsageError, match="not a regular file"):
+        read_header(tmp_path / "x.safetensors")
