@@ -37,8 +37,10 @@ FAMILY_KEYS: dict[str, set[str]] = {
                             "mamba_d_state", "mamba_d_conv", "head_dim", "mamba_chunk_size"},
     "zamba2": _COMMON | {"layers_block_type", "n_mamba_heads", "mamba_headdim", "mamba_ngroups", "mamba_d_state",
                          "mamba_d_conv", "mamba_expand", "attention_head_dim", "chunk_size"},
-    "jamba": _COMMON | {"attn_layer_offset", "attn_layer_period"},
-    "qwen3_next": _COMMON | {"layer_types", "full_attention_interval", "head_dim"},
+    "jamba": _COMMON | {"attn_layer_offset", "attn_layer_period", "mamba_expand", "mamba_d_state", "mamba_d_conv"},
+    "qwen3_next": _COMMON | {"layer_types", "full_attention_interval", "head_dim", "linear_num_key_heads",
+                             "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                             "linear_conv_kernel_dim"},
     "mamba2": {"d_model", "n_layer", "ssm_cfg", "attn_layer_idx", "model_type", "ssm_cfg.layer", "ssm_cfg.expand",
                "ssm_cfg.headdim", "ssm_cfg.ngroups", "ssm_cfg.d_state", "ssm_cfg.d_conv"},
     "dense": _COMMON | {"head_dim"},
@@ -58,13 +60,14 @@ _ALWAYS: dict[str, set[str]] = {
                "mamba_ngroups", "mamba_d_state", "mamba_d_conv", "mamba_expand", "num_attention_heads",
                "num_key_value_heads", "attention_head_dim", "max_position_embeddings", "chunk_size"},
     "jamba": {"num_hidden_layers", "attn_layer_period", "num_attention_heads", "num_key_value_heads",
-              "max_position_embeddings"},
+              "max_position_embeddings", "hidden_size", "mamba_expand", "mamba_d_state", "mamba_d_conv"},
     "qwen3_next": {"num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                   "max_position_embeddings", "full_attention_interval"},
+                   "max_position_embeddings", "full_attention_interval", "linear_num_key_heads",
+                   "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"},
     "mamba2": {"d_model", "n_layer"},
     "dense": {"num_hidden_layers", "num_attention_heads", "num_key_value_heads", "max_position_embeddings"},
 }
-_CONV = {"conv_kernel", "mamba_d_conv", "d_conv"}
+_CONV = {"conv_kernel", "mamba_d_conv", "d_conv", "linear_conv_kernel_dim"}
 ALL_KEYS = set().union(*FAMILY_KEYS.values())
 DENSE_TYPES = {"llama", "qwen3", "qwen2", "mistral"}
 
