@@ -91,9 +91,9 @@ class RankProcesses:
     def __enter__(self) -> RankProcesses:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         for pr in self.procs:
-            pr.join(timeout=10)
+            pr.join(timeout=10 if exc_type is None else 0.5)  # after a failure nobody will answer them
             if pr.is_alive():
                 pr.terminate()
                 pr.join(timeout=5)

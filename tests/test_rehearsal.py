@@ -254,3 +254,47 @@ def test_offset_injection_on_the_last_block_stays_in_registered_memory() -> None
     assert "(-" in res[0]["injected"][0], res[0]["injected"]
     assert not res[0]["ok"] and res[1]["ok"]
     assert any("D rank 0: region B" in m for m in res[0]["mismatches"])
+
+
+# ----------------------------------------------------------------------- the NIXL wrapper and plumbing
+
+
+def test_set_env_defaults_cma_segment_but_keeps_the_callers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from hybridpd.nixl_wrap import set_env
+
+    monkeypatch.delenv("UCX_CMA_SEG_SIZE", raising=False)
+    set_env()
+    assert os.environ["UCX_CMA_SEG_SIZE"] == "64m"  # one process_vm_readv per KV descriptor (bench_rehearsal)
+    monkeypatch.setenv("UCX_CMA_SEG_SIZE", "512k")
+    set_env()
+    assert os.environ["UCX_CMA_SEG_SIZE"] == "512k"
+
+
+def _fails(conn: Any) -> None:
+    conn.send(("error", "rank went wrong"))
+
+
+def _silent(conn: Any) -> None:
+    conn.recv()  # waits for the parent, which never writes
+
+
+@pytest.mark.integration
+def test_rank_processes_report_errors_and_never_hang() -> None:
+    import time
+
+    from hybridpd.errors import ExternalToolError
+    from hybridpd.nixl_agent import RankProcesses
+
+    t0 = time.monotonic()
+    with RankProcesses(timeout_s=20) as rp:
+        c = rp.start(_fails)
+        with pytest.raises(ExternalToolError, match="decode rank 0 failed:\nrank went wrong"):
+            rp.recv(c, "decode rank 0")
+    with pytest.raises(ExternalToolError, match="prefill rank 1 did not answer within 2 s"):
+        with RankProcesses(timeout_s=2) as rp:
+            procs = rp.procs
+            rp.recv(rp.start(_silent), "prefill rank 1")
+    assert not any(p.is_alive() for p in procs)  # reaped on the way out
+    assert time.monotonic() - t0 < 60
