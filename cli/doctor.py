@@ -31,20 +31,6 @@ def serve_ports() -> tuple[int, ...]:
     return (o.side_channel_port, o.side_channel_port + 1, o.prefill_port, o.decode_port, o.proxy_port)
 
 
-def _supervisor_alive(pid: Any) -> bool:
-    import os
-
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @click.command()
 @click.option("--model", "model", type=ModelArg(), default=None,
               help="Also check the env vars and P/D support this model needs (bundled id, alias or path).")
@@ -93,7 +79,7 @@ def doctor(model: str | None, vllm_python: str | None, deployment_file: str | No
         rec_ports = tuple(dep.side_channel_ports) + tuple(
             int(p["port"]) for p in dep.record.get("processes", {}).values() if isinstance(p, dict) and "port" in p)
         sup = dep.record.get("supervisor_pid")
-        if dep.state in ("running", "starting") and _supervisor_alive(sup):
+        if dep.state in ("running", "starting") and dep.supervisor_alive():
             extra.append(Check(name="deployment", status=INFO,
                                detail=f"{deployment_file}: {dep.state}, supervisor pid {sup}; its ports "
                                       f"{', '.join(map(str, rec_ports))} are held by it (not checked)",

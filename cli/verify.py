@@ -85,6 +85,9 @@ def verify(model: str | None, deployment_file: str | None, rehearse: bool, isl: 
         prompt_tokens = True  # exact lengths: the probes sit on block boundaries
         if dep.state != "running":
             hint(f"warning: {deployment_file} says the deployment is {dep.state!r}")
+        elif not dep.supervisor_alive():
+            hint(f"warning: the supervisor recorded in {deployment_file} (pid {dep.record.get('supervisor_pid')}) "
+                 "is not running here (another host, or it died)")
     elif model is None:
         raise UsageError("missing MODEL", field="MODEL", fix="give MODEL, or --deployment FILE written by serve")
     else:

@@ -118,6 +118,19 @@ class Deployment:
     def state(self) -> str:
         return str(self.record.get("state", "unknown"))
 
+    def supervisor_alive(self) -> bool:
+        """Whether the recorded supervisor process still exists (on this host)."""
+        pid = self.record.get("supervisor_pid")
+        if not isinstance(pid, int) or pid <= 0:
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
 
 def _settings(d: Any, side: str, path: str) -> EngineSettings:
     if not isinstance(d, dict):

@@ -110,6 +110,14 @@ def _verify(*args: str) -> tuple[int, dict[str, Any]]:
     return r.returncode, json.loads(r.stdout)
 
 
+def _health_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
 def _complete(url: str, model: Path, **body: Any) -> dict[str, Any]:
     req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(
         {"model": str(model), "prompt": "Hello, P/D", "max_tokens": 4, "temperature": 0, **body}).encode(),
@@ -151,7 +159,12 @@ def test_sigkilled_decode_is_restarted(live: Live) -> None:
     _wait_for(live, "decode-0 healthy after", 600, count=2)
     time.sleep(1)
     assert not [p for p in old_tree if alive(p)], "the killed decode's EngineCore/workers outlived it"
-    reply = _complete(live.rec()["urls"]["proxy"], live.model)
+    proxy = live.rec()["urls"]["proxy"]
+    deadline = time.monotonic() + 60  # the proxy re-admits D on its next health round
+    while not _health_ok(proxy):
+        assert time.monotonic() < deadline, "the proxy never saw decode healthy again"
+        time.sleep(0.5)
+    reply = _complete(proxy, live.model)
     assert reply["choices"][0]["text"] is not None
     rec = live.rec()
     assert rec["processes"]["decode-0"]["restarts"] == 1 and rec["processes"]["decode-0"]["keeper_pid"] != keeper
