@@ -186,3 +186,20 @@ def test_default_probes_old_lengths_were_blind(tiny_models: dict[str, Path]) -> 
     p64, p128 = plan_for(64), plan_for(128)
     assert p64.transfer_for(96).bytes == p128.transfer_for(96).bytes
     assert any(p64.transfer_for(n).bytes != p128.transfer_for(n).bytes for n in live.default_isls(p64))
+
+
+def test_default_probes_catch_a_wrong_dtype_or_tp(tiny_models: dict[str, Path]) -> None:
+    """A wrong KV dtype changes the bytes of every default probe; a wrong D TP changes its READs (one per D rank)."""
+    def plan_for(**kw: Any) -> Any:
+        p = EngineSettings(max_model_len=256, enable_prefix_caching=False)
+        d = EngineSettings(max_model_len=256, enable_prefix_caching=False, **kw)
+        if "kv_cache_dtype" in kw:
+            p = EngineSettings(max_model_len=256, enable_prefix_caching=False, kv_cache_dtype=kw["kv_cache_dtype"])
+        return build_plan(str(tiny_models["llama"]), prefill=p, decode=d, vllm_version="0.32", platform="cpu")
+
+    base = plan_for()
+    isls = live.default_isls(base)
+    fp8 = plan_for(kv_cache_dtype="fp8")
+    assert all(fp8.transfer_for(n).bytes != base.transfer_for(n).bytes for n in isls)
+    tp2 = plan_for(tp=2)
+    assert all(tp2.transfer_for(n).reads != base.transfer_for(n).reads for n in isls)
