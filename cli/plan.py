@@ -22,7 +22,7 @@ from .completions import link_items
 @click.option("--strict", is_flag=True, help="Exit 1 on warnings too (a refused combination always exits 1).")
 @click.option("--calibration", "calibration_path", type=click.Path(dir_okay=False), default=None,
               help="Transfer-time calibration JSON (schema hybridpd-calibration/1) for the per-request time "
-                   "estimate n_desc x c + bytes / bw. Default: the bundled table.")
+                   "estimate reads x t0 + n_desc x c + bytes / bw. Default: the bundled table.")
 @click.option("--link", default=None, metavar="NAME", shell_complete=link_items,
               help="Calibration entry to estimate with. Default: the first VRAM entry (--platform cuda) or DRAM "
                    "entry (--platform cpu).")
@@ -128,8 +128,10 @@ def _est_cell(e: dict[str, Any]) -> str:
 
 
 def _est_note(c: dict[str, Any]) -> str:
-    return (f"est. time: slowest D rank, n_desc × c + bytes / bw, calibration '{c['name']}' ({c['transport']}, "
-            f"{c['memory']}: c = {c['per_descriptor_us']:,.2f} µs per descriptor, bw = {c['bandwidth_gbps']:,.1f} GB/s; "
+    t0 = f"t0 = {c['per_read_us']:,.0f} µs per READ, " if c.get("per_read_us") else ""
+    return (f"est. time: slowest D rank, {c.get('model', 'n_desc × c + bytes / bw')}, calibration '{c['name']}' "
+            f"({c['transport']}, {c['memory']}: {t0}c = {c['per_descriptor_us']:,.2f} µs per descriptor, "
+            f"bw = {c['bandwidth_gbps']:,.1f} GB/s; "
             f"{c['hardware']}; {c['software']}; measured {c['measured']}; from {c['source']}). n_desc as vLLM issues "
             "them; 'coalesced' = every contiguous run merged into one descriptor.")
 
