@@ -178,7 +178,9 @@ def conv_layout(ctx: Context) -> Iterator[Finding]:
                       fix="export VLLM_SSM_CONV_STATE_LAYOUT=DS on both P and D")
     else:
         yield Finding(severity=INFO, code="conv-layout-ds",
-                      message="DS conv layout is required on both sides (x, B, C contiguous per channel)",
+                      message="DS conv layout is required on both sides "
+                              f"({', '.join(ctx.p.mamba.part_names if ctx.p.mamba else ('x', 'B', 'C'))} "
+                              "contiguous per channel)",
                       fix="export VLLM_SSM_CONV_STATE_LAYOUT=DS on P and D (`hybridpd serve` does)")
 
 

@@ -122,7 +122,13 @@ def resolve_dtypes(model: ModelSpec, s: EngineSettings, profile: VllmProfile, pl
             reasons.append(f"NemotronH SSM state auto -> {ssm} (vLLM default when config.json has none)")
     else:
         ssm = conv
-    if model.has_mamba and platform.forces_fp32_ssm and ssm != "float32" and profile.cpu_fp32_ssm_when != "never":
+    gdn_kept = (model.mamba_type == "gdn" and profile.cpu_fp32_ssm_when == "avx512_bf16"
+                and s.mamba_ssm_cache_dtype in ("float16", "bfloat16"))
+    if gdn_kept and platform.forces_fp32_ssm:
+        reasons.append(f"SSM state stays {ssm}: vLLM {profile.name}'s CPU backend keeps an explicit fp16/bf16 "
+                       "state for its accelerated GDN kernel")
+    if model.has_mamba and platform.forces_fp32_ssm and ssm != "float32" and profile.cpu_fp32_ssm_when != "never" \
+            and not gdn_kept:
         flag = profile.cpu_fp32_ssm_when
         has = s.cpu_avx512_bf16 if flag == "avx512_bf16" else s.cpu_amx_tile
         if has:

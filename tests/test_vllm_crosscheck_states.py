@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from hybridpd import families, layout, models, profiles  # noqa: E402
-from hybridpd.descriptors import local_table, remote_table  # noqa: E402
+from hybridpd.descriptors import local_table, remote_table, strided_rows  # noqa: E402
 from hybridpd.settings import EngineSettings  # noqa: E402
 from hybridpd.transfer import routes, tp_ratio  # noqa: E402
 
@@ -224,20 +224,18 @@ def _fake_worker(s: layout.SideLayout, name: str, rank: int, n_log: int) -> Any:
         _physical_blocks_per_logical_kv_block=s.physical_per_logical, device_id=0,
         _ssm_region_indices=list(range(s.num_ssm_slots)), block_stride_per_layer=[s.kernel_page_bytes] * T,
         block_len_per_layer=[s.kernel_page_bytes] * T,  # <= 0.28 name (the kernel page: stride of one kernel block)
-        _stack_descs=getattr(_worker(), "_stack_descs", None), _ple_region_index=None, tp_rank=rank)
+        _stack_descs=getattr(_worker(), "_stack_descs", None),
+        _pack_strided_descs=getattr(_worker(), "_pack_strided_descs", None), _ple_region_index=None, tp_rank=rank)
 
 
 def _rows(out: Any) -> np.ndarray:
-    """0.29+ returns an Nx3 uint64 array, earlier releases a list of (addr, len, dev) tuples."""
-    return np.asarray(out, dtype=np.uint64).reshape(-1, 3)
-
-
-def _local(fake: Any, bases: list[int]) -> np.ndarray:
-    import inspect
-
-    fn = _worker()._build_mamba_local
-    extra = (1,) if "block_size_ratio" in inspect.signature(fn).parameters else ()  # <= 0.28: asserts ratio 1
-    return _rows(fn(fake, bases, *extra))
+    """Flat (addr, len, dev) rows: 0.29-0.32 return an Nx3 uint64 array, earlier releases a list of tuples, 0.33
+    Nx5 strided rows (addr, len, dev, stride, count), expanded here block by block in row order."""
+    a = np.asarray(out, dtype=np.uint64)
+    if a.ndim == 2 and a.shape[1] == 5:
+        flat = [(int(r[0]) + k * int(r[3]), int(r[1]), int(r[2])) for r in a for k in range(int(r[4]))]
+        return np.asarray(flat, dtype=np.uint64).reshape(-1, 3)
+    return a.reshape(-1, 3)
 
 
 @pytest.mark.parametrize("name,tp", [(n, t) for n, t in CASES if t <= 4])
@@ -245,7 +243,12 @@ def test_local_mamba_descriptors_match_the_worker(name: str, tp: int) -> None:
     s = _side(name, tp)
     n_log = 5
     bases = [(i + 1) << 32 for i in range(s.num_shared_tensors)]
-    theirs = _local(_fake_worker(s, name, 0, n_log), bases)
+    raw = _worker()._build_mamba_local(_fake_worker(s, name, 0, n_log), bases, *(
+        (1,) if "block_size_ratio" in __import__("inspect").signature(_worker()._build_mamba_local).parameters else ()))
+    if PROFILE.strided_descriptors:  # 0.33: the rows themselves, as hybridpd registers them
+        rows = strided_rows(s, bases, n_log)
+        assert np.array_equal(np.asarray(raw, dtype=np.uint64), rows.rows[rows.num_fa_rows:])
+    theirs = _rows(raw)
     ours = local_table(s, bases, n_log)
     nfa = ours.num_fa_descs
     assert theirs.shape[0] == len(ours) - nfa == s.mamba.regions_per_slot * s.num_ssm_slots * n_log  # type: ignore[union-attr]
@@ -342,10 +345,11 @@ def test_attention_block_matches_vllm(monkeypatch: pytest.MonkeyPatch, name: str
 def test_prefix_caching_mode_matches(name: str) -> None:
     """MambaModelConfig.verify_and_update_config picks the mode from SupportsMambaPrefixCaching."""
     from vllm.model_executor.models.config import MambaModelConfig
-    from vllm.model_executor.models.interfaces import supports_mamba_prefix_caching
-
-    supports = bool(supports_mamba_prefix_caching(_model_cls(name)))
-    assert supports == _spec(name).mamba_prefix_caching
+    interfaces = importlib.import_module("vllm.model_executor.models.interfaces")
+    fn = getattr(interfaces, "supports_mamba_prefix_caching", None)  # gone in 0.33 (the mode is always 'align')
+    supports = bool(fn(_model_cls(name))) if fn else False
+    if fn:
+        assert supports == _spec(name).mamba_prefix_caching
     cache = SimpleNamespace(enable_prefix_caching=True, mamba_cache_mode="none", mamba_block_size=16, block_size=16)
     cfg = SimpleNamespace(model_config=SimpleNamespace(supports_mamba_prefix_caching=supports, architecture="x"),
                           cache_config=cache, scheduler_config=SimpleNamespace(enable_chunked_prefill=True),
@@ -353,3 +357,24 @@ def test_prefix_caching_mode_matches(name: str) -> None:
     with contextlib.suppress(AttributeError):  # later parts of the hook read fields this fake lacks
         MambaModelConfig.verify_and_update_config(cfg)
     assert cache.mamba_cache_mode == _side(name, 1, prefix=True).mamba_cache_mode
+
+
+@pytest.mark.parametrize("ssm", ["auto", "bfloat16", "float16", "float32"])
+def test_cpu_gdn_keeps_an_explicit_half_state(ssm: str) -> None:
+    """0.29+ CPU: an avx512_bf16 host resets the SSM state to fp32 unless `_cpu_mamba_backend` says "gdn"
+    (a linear-attention model whose state dtype equals the explicit fp16/bf16 --mamba-ssm-cache-dtype)."""
+    cpu = importlib.import_module("vllm.platforms.cpu")
+    if not hasattr(cpu, "_cpu_mamba_backend"):
+        pytest.skip(f"vLLM {PROFILE.name}'s CPU platform has no accelerated GDN backend rule")
+    name = "qwen3-next"
+    if name not in TPS:
+        pytest.skip("GDN not moved by this release")
+    cls = _model_cls(name)
+    cfg = _vllm_cfg(name, 1, ssm=ssm)
+    cfg.model_config.architecture = cls.__name__
+    cfg.model_config.has_inner_state = True
+    cfg.model_config.registry = SimpleNamespace(resolve_model_cls=lambda *a, **k: (cls, cls.__name__))
+    keeps = cpu._cpu_mamba_backend(cfg) == "gdn" and ssm in ("float16", "bfloat16")
+    s = EngineSettings(tp=1, mamba_ssm_cache_dtype=ssm, cpu_avx512_bf16=True, cpu_amx_tile=False)
+    side = layout.side_layout(_spec(name), s, PROFILE, profiles.platform_for("cpu"), role="prefill")
+    assert (side.dtypes.ssm == ssm) if keeps else (side.dtypes.ssm == "float32")
