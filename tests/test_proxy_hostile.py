@@ -16,9 +16,18 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from proxy_fakes import Harness, eventually, harness, parse_sse, run
 
-from hybridpd.proxy import SSEFramer
+from hybridpd.proxy import (
+    ProxyError,
+    SSEFramer,
+    decode_request,
+    fields_to_restore,
+    prefill_request,
+    validate_client_request,
+)
 from hybridpd.proxy.__main__ import build_parser, config_from_args
 from hybridpd.proxy.fakes import FakeDecode, FakePrefill, KVLedger, start_server, unused_port
 from hybridpd.proxy.guard import GUARD_SUPPORTED
@@ -136,6 +145,32 @@ def test_requests_decode_accepts_still_pass_validation() -> None:
                 assert status == 200, (body, raw)
 
     run(go())
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(st.characters(), max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
+    max_leaves=8,
+)
+_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "min_completion_tokens", "stream", "stream_options",
+           "n", "best_of", "use_beam_search", "echo", "prompt", "messages", "prompt_embeds")
+
+
+@settings(max_examples=400, deadline=None)
+@given(body=st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=6) | _JSON,
+       route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+def test_any_json_body_is_accepted_or_refused_with_400_never_crashes(body: Any, route: str) -> None:
+    """Whatever JSON arrives, the pure request path either builds both legs or refuses with a 400 ProxyError.
+    (It found that a first version of the decode-only checks crashed on ``max_tokens: Infinity`` / ``NaN``,
+    which Python's json accepts: OverflowError / ValueError -> 500.)"""
+    try:
+        checked = validate_client_request(body, route)
+    except ProxyError as exc:
+        assert exc.status == 400 and exc.code
+        return
+    prefill_request(checked)
+    decode_request(checked, {"remote_block_ids": [[1]]}, fields_to_restore(checked))
 
 
 # ----------------------------------------------------------------------------- connection-level limits

@@ -19,6 +19,7 @@ lease expires or be recomputed on D without anyone noticing. Clients should send
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Final
@@ -134,7 +135,8 @@ def _int_field(body: Mapping[str, Any], field: str) -> int | None:
     value = body.get(field)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and (not math.isfinite(value) or not value.is_integer()))):
         raise bad_request(f"'{field}' must be an integer, got {value!r}", param=field, code="invalid_type")
     return int(value)
 
