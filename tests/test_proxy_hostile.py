@@ -78,6 +78,7 @@ async def closed_by_server(reader: asyncio.StreamReader, timeout: float = 30.0) 
         ("deep array", b"[" * 100_000 + b"]" * 100_000, {}, "invalid_json"),
         ("deep field", b'{"model": "m", "prompt": "x", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", {},
          "invalid_json"),
+        ("non-finite number", b'{"model": "m", "prompt": "x", "max_tokens": Infinity}', {}, "invalid_type"),
         # old: ContentEncodingError from aiohttp's decompressor -> 500
         ("gzip header on a plain body", b'{"model": "m", "prompt": "x"}', {"Content-Encoding": "gzip"},
          "invalid_body_encoding"),
