@@ -15,6 +15,9 @@ each D rank process, ``--rounds`` rounds run back to back (bench/_nixl_bench.py 
 * ``vm_readv``: a raw process_vm_readv of the request's descriptors (the kernel copy UCX's cma uses);
 * ``memcpy``: numpy copy of the same number of bytes in the D process (the baseline).
 
+The rehearsal's figures are its READ time (first make_prepped_xfer to the last DONE, as ``verify`` reports
+it); ``+release`` rows count the same calls with the telemetry read-out and the handle release after DONE.
+
 A round's ratio is memcpy time / variant time; the table gives the median over every round of every run
 and D rank, and the spread (min..max, and the middle half).  ``--ucx`` runs the whole thing again under
 other UCX settings (runs alternate between the settings); "" is the rehearsal's own environment.
@@ -82,6 +85,10 @@ def summarize(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
                 ts = b[name]["read_times_s"]
                 times.setdefault(name, []).extend(ts)
                 ratios.setdefault(name, []).extend(m / t for m, t in zip(base, ts, strict=True))
+                if "call_times_s" in b[name]:  # the same READs counted with their bookkeeping
+                    cs = b[name]["call_times_s"]
+                    times.setdefault(name + "+release", []).extend(cs)
+                    ratios.setdefault(name + "+release", []).extend(m / t for m, t in zip(base, cs, strict=True))
     out: dict[str, Any] = {}
     for name, rs in ratios.items():
         q = np.quantile(rs, [0.0, 0.25, 0.5, 0.75, 1.0])
@@ -155,9 +162,10 @@ def main() -> None:
     for name, f in figures.items():
         print(f"\n[{name}] {f['ucx'] or 'rehearsal defaults'}; run wall {', '.join(f'{w:.1f}' for w in f['wall_s'])} s; "
               f"first (cold) READ {statistics.median(f['first_read_s']) * 1e3:.1f} ms")
-        print(f"  {'variant':<13} {'median':>9} {'GB/s':>7}   ratio to memcpy: median [middle half] (min..max)")
+        w = max(len(v) for v in f["variants"])
+        print(f"  {'variant':<{w}} {'median':>9} {'GB/s':>7}   ratio to memcpy: median [middle half] (min..max)")
         for v, x in f["variants"].items():
-            print(f"  {v:<13} {x['median_s'] * 1e3:7.2f}ms {x['median_GBps']:7.2f}   {x['ratio_median']:6.1%} "
+            print(f"  {v:<{w}} {x['median_s'] * 1e3:7.2f}ms {x['median_GBps']:7.2f}   {x['ratio_median']:6.1%} "
                   f"[{x['ratio_q1']:.1%}..{x['ratio_q3']:.1%}] ({x['ratio_min']:.1%}..{x['ratio_max']:.1%})")
         if (sp := f["alt_speedup"]) is not None:
             print(f"  rehearsal is x{sp['median']:.3f} faster than rehearsal_alt ({head['alt_ucx']}) per round, median "
