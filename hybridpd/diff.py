@@ -196,14 +196,14 @@ def _side_facts(s: SideLayout) -> list[tuple[str, Value]]:
 
 def _nixl_facts(s: SideLayout) -> list[tuple[str, Value]]:
     d = DescriptorLayout.of(s)
-    x, b, c, ssm = d.mamba_desc_lens
+    sub = [(f"{n}_desc_bytes", v) for n, v in zip(d.mamba_desc_names, d.mamba_desc_lens, strict=True)]  # x/B/C/ssm
     return [
         ("regions", d.regions),
         ("fa_regions", d.fa_regions),
         ("mamba_regions", d.mamba_regions),
         ("kv_descs_per_block", s.profile.kv_descs_per_block if d.fa_regions else 0),
         ("fa_desc_bytes", d.fa_desc_len),
-        ("x_desc_bytes", x), ("B_desc_bytes", b), ("C_desc_bytes", c), ("ssm_desc_bytes", ssm),
+        *sub,
         ("row_format", row_format(s.profile)),
         ("desc_id_formula", desc_id_formula(s, d)),
         ("num_phys_blocks", d.num_phys_blocks),
