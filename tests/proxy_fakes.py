@@ -14,8 +14,8 @@ import aiohttp
 from multidict import CIMultiDict
 
 from hybridpd.proxy import ProxyConfig, ProxyState, build_app, proxy_state
-from hybridpd.proxy.app import make_runner, make_site
 from hybridpd.proxy.fakes import FakeDecode, FakePrefill, KVLedger, RunningServer, start_server
+from hybridpd.proxy.server import make_runner, make_site
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ Public API::
 or ``python -m hybridpd.proxy --prefill URL --decode URL``.
 """
 
-from hybridpd.proxy.app import ProxyState, build_app, proxy_state, run_proxy, serve_proxy
+from hybridpd.proxy.app import ProxyState, build_app, proxy_state
 from hybridpd.proxy.config import POLICIES, Policy, ProxyConfig, ProxyConfigError
 from hybridpd.proxy.errors import ProxyError
 from hybridpd.proxy.pool import Backend, BackendPool
@@ -24,6 +24,7 @@ from hybridpd.proxy.protocol import (
     prefill_request,
     validate_client_request,
 )
+from hybridpd.proxy.server import make_runner, make_site, run_proxy, serve_proxy
 
 __all__ = [
     "POLICIES",
@@ -39,6 +40,8 @@ __all__ = [
     "ProxyState",
     "SSEFramer",
     "build_app",
+    "make_runner",
+    "make_site",
     "decode_request",
     "fields_to_restore",
     "kv_transfer_params_from_prefill",

@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 
 from hybridpd.errors import UsageError
-from hybridpd.proxy.app import run_proxy
 from hybridpd.proxy.config import EVENT_LOOPS, POLICIES, ProxyConfig
+from hybridpd.proxy.server import run_proxy
 
 
 def build_parser() -> argparse.ArgumentParser:

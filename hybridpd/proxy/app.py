@@ -44,7 +44,6 @@ import json
 import logging
 import math
 import re
-import signal
 import sys
 import time
 import uuid
@@ -55,7 +54,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from hybridpd.proxy.config import ProxyConfig, ProxyConfigError
+from hybridpd.proxy.config import ProxyConfig
 from hybridpd.proxy.errors import (
     AUTHENTICATION,
     INTERNAL,
@@ -70,8 +69,8 @@ from hybridpd.proxy.errors import (
     error_body,
     sse_error_event,
 )
-from hybridpd.proxy.guard import GuardedSite, default_max_connections
-from hybridpd.proxy.kvwatch import KV_LEASE_COUNTERS, Handover, LeaseWatch, parse_counters
+from hybridpd.proxy.health import HealthProbes
+from hybridpd.proxy.kvwatch import Handover, LeaseWatch
 from hybridpd.proxy.metrics import ProxyMetrics
 from hybridpd.proxy.pool import Backend, BackendPool
 from hybridpd.proxy.protocol import (
@@ -177,7 +176,7 @@ def _route_label(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
-class ProxyState:
+class ProxyState(HealthProbes):
     """Everything one proxy app owns: config, backend pools, metrics, the upstream HTTP session, the health task."""
 
     def __init__(self, config: ProxyConfig) -> None:
@@ -234,101 +233,6 @@ class ProxyState:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-    # ----------------------------------------------------------------- health
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.health_interval_s)
-            try:
-                await self.probe_all()
-            except Exception:  # never let the loop die; a broken probe must not stop later ones
-                log.exception("health probe round failed")
-
-    async def probe_all(self) -> None:
-        """One round of ``GET /health`` on every backend and, with ``watch_kv_leases``, of P's KV-lease
-        counters (the periodic round)."""
-        jobs = [self.probe_health()]
-        if self.config.watch_kv_leases:
-            jobs += [self._scrape_leases(b) for b in self.prefill.backends]
-        await asyncio.gather(*jobs)
-
-    async def probe_health(self) -> None:
-        """One round of ``GET /health`` on every backend, concurrently; concurrent callers share one round."""
-        task = self._probe_round
-        if task is None or task.done():
-            task = self._probe_round = asyncio.ensure_future(self._probe_health_round())
-        await asyncio.shield(task)
-
-    async def _probe_health_round(self) -> None:
-        started = asyncio.get_running_loop().time()
-        await asyncio.gather(*(self._probe(pool, b) for pool in (self.prefill, self.decode) for b in pool.backends))
-        self._last_probe = started
-
-    async def _scrape_leases(self, backend: Backend) -> None:
-        """P's KV-lease counters -> proxy counter + a warning on increase (see ``kvwatch``)."""
-        if not backend.healthy:
-            return
-        cfg = self.config
-        timeout = aiohttp.ClientTimeout(total=cfg.health_timeout_s,
-                                        sock_connect=min(cfg.connect_timeout_s, cfg.health_timeout_s))
-        try:
-            async with self.session.get(backend.url + "/metrics", headers=self._auth_headers(), timeout=timeout) as r:
-                if r.status != 200:
-                    return
-                text = (await r.read()).decode("utf-8", "replace")
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
-            return
-        deltas = self.leases.update(backend.url, parse_counters(text))
-        if not deltas:
-            if backend.url in self.leases.last:
-                self.leases.forget_recent(backend.url)
-            return
-        for name, delta in deltas.items():
-            self.metrics.kv_lease_expired.labels(backend.url, KV_LEASE_COUNTERS[name]).inc(delta)
-        candidates = self.leases.take_candidates(backend.url)
-        named = ", ".join(
-            f"{h.pairing_id}" + (f" (client id {h.client_id})" if h.client_id else "") + f" {h.seconds:.2f} s"
-            for h in candidates
-        )
-        log.warning(
-            "KV lease expired on prefill backend %s: %s. Decode may have read KV blocks P had already freed "
-            "(HTTP 200, possibly wrong output). Slowest handovers since the last check: %s. Raise "
-            "kv_lease_duration in kv_connector_extra_config or find out why decode reads late.",
-            backend.url,
-            "; ".join(f"{name} +{delta:g}" for name, delta in deltas.items()),
-            named or "none seen by this proxy",
-        )
-
-    async def _probe(self, pool: BackendPool, backend: Backend) -> None:
-        cfg = self.config
-        timeout = aiohttp.ClientTimeout(
-            total=cfg.health_timeout_s, sock_connect=min(cfg.connect_timeout_s, cfg.health_timeout_s)
-        )
-        error: str | None = None
-        refused = False
-        try:
-            async with self.session.get(backend.url + "/health", headers=self._auth_headers(), timeout=timeout) as r:
-                await r.read()
-                if r.status != 200:
-                    error = f"health probe: HTTP {r.status}"
-        except asyncio.TimeoutError:
-            error = f"health probe timed out after {cfg.health_timeout_s} s"
-        except aiohttp.ClientConnectorError as exc:  # nothing listens: the process is gone, no hysteresis
-            error = f"health probe: {type(exc).__name__}: {exc}"
-            refused = True
-        except (aiohttp.ClientError, OSError) as exc:
-            error = f"health probe: {type(exc).__name__}: {exc}"
-        if refused:
-            if pool.eject(backend, error or "connection refused"):
-                self.metrics.ejections.labels(pool.role, backend.url, "health").inc()
-            pool.record_probe(backend, False, error)
-        elif pool.record_probe(backend, error is None, error) == "ejected":
-            self.metrics.ejections.labels(pool.role, backend.url, "health").inc()
-
-    def _eject(self, pool: BackendPool, backend: Backend, reason: str) -> None:
-        if pool.eject(backend, reason):
-            self.metrics.ejections.labels(pool.role, backend.url, "connect").inc()
 
     # ----------------------------------------------------------------- helpers
 
@@ -865,125 +769,6 @@ def build_app(config: ProxyConfig) -> web.Application:
     return app
 
 
-def make_runner(app: web.Application) -> web.AppRunner:
-    """The ``AppRunner`` for a proxy app: handlers cancelled when their client leaves, aiohttp's keep-alive
-    timer a backstop just past ``idle_timeout_s`` (the guard's sweep closes idle connections first)."""
-    config = app[STATE].config
-    return web.AppRunner(
-        app,
-        handler_cancellation=True,
-        access_log=logging.getLogger("hybridpd.proxy.access") if config.access_log else None,
-        shutdown_timeout=1.0,  # serve_proxy's drain() has given in-flight requests shutdown_grace_s already
-        keepalive_timeout=config.idle_timeout_s + 1.0,
-        lingering_time=2.0,  # after an early answer (408, 413), read and drop the rest of a body this long
-    )
-
-
-def make_site(runner: web.AppRunner) -> GuardedSite:
-    """A listening site for ``runner`` (set up) with the client-connection guard of ``hybridpd.proxy.guard``."""
-    state: ProxyState = runner.app[STATE]
-    config = state.config
-    closed = state.metrics.connections_closed
-    return GuardedSite(
-        runner,
-        config.host,
-        config.port,
-        max_connections=config.max_connections or default_max_connections(),
-        header_timeout_s=config.header_timeout_s,
-        idle_timeout_s=config.idle_timeout_s,
-        on_close=lambda reason: closed.labels(reason).inc(),
-    )
-
-
 def proxy_state(app: web.Application) -> ProxyState:
     """The state behind an app built by ``build_app`` (pools, metrics), for tests and embedding."""
     return app[STATE]
-
-
-async def serve_proxy(
-    config: ProxyConfig,
-    *,
-    stop: asyncio.Event | None = None,
-    on_started: Callable[[str], None] | None = None,
-) -> None:
-    """Serve until ``stop`` is set or SIGINT/SIGTERM arrives, then shut down gracefully.
-
-    In-flight requests get ``shutdown_grace_s`` to finish (``drain``); streams still open then get an SSE error
-    event and end; what is left is cancelled, the health task stopped and the upstream session closed.
-    ``on_started`` receives the listening URL (useful with ``port=0``).
-    """
-    stop = stop if stop is not None else asyncio.Event()
-    app = build_app(config)
-    runner = make_runner(app)
-    await runner.setup()
-    loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
-    try:
-        await make_site(runner).start()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, stop.set)
-                installed.append(sig)
-            except (NotImplementedError, RuntimeError):  # not the main thread, or no signal support
-                pass
-        host, port = runner.addresses[0][:2]
-        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        log.info(
-            "hybridpd proxy listening on %s (prefill: %s; decode: %s; policy %s; event loop %s)",
-            url,
-            ", ".join(config.prefill_urls),
-            ", ".join(config.decode_urls),
-            config.policy,
-            type(loop).__module__.split(".")[0],
-        )
-        if on_started is not None:
-            on_started(url)
-        await stop.wait()
-        await drain(runner)
-    finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
-        await runner.cleanup()
-
-
-async def drain(runner: web.AppRunner) -> None:
-    """Graceful stop: close the listening sockets, let requests in flight finish for ``shutdown_grace_s``, then
-    end the streams still open with an SSE error event (and give their handlers a moment to send it). Requests
-    still running after that are cancelled by ``runner.cleanup()``."""
-    state: ProxyState = runner.app[STATE]
-    loop = asyncio.get_running_loop()
-    log.info("hybridpd proxy shutting down: %d request(s) in flight", state.in_flight)
-    for site in list(runner.sites):
-        await site.stop()
-    deadline = loop.time() + state.config.shutdown_grace_s
-    while state.in_flight and loop.time() < deadline:
-        await asyncio.sleep(0.05)
-    if state.in_flight:
-        ended = state.interrupt_streams()
-        log.warning("shutdown grace (%g s) over: ending %d stream(s) with an error event; %d request(s) left",
-                    state.config.shutdown_grace_s, ended, state.in_flight)
-        settle = loop.time() + 1.0
-        while state.in_flight and loop.time() < settle:
-            await asyncio.sleep(0.02)
-
-
-def event_loop_runner(choice: str) -> tuple[str, Callable[[Any], Any]]:
-    """(name, run function) for ``ProxyConfig.event_loop``: uvloop when asked for or, with "auto", when it is
-    importable (bench/bench_proxy.py measures the difference); else asyncio's own loop."""
-    if choice in ("auto", "uvloop"):
-        try:
-            import uvloop
-        except ImportError:
-            if choice == "uvloop":
-                raise ProxyConfigError("uvloop is not installed", field="event_loop",
-                                       fix="pip install uvloop, or use --event-loop asyncio") from None
-        else:
-            return "uvloop", uvloop.run
-    return "asyncio", asyncio.run
-
-
-def run_proxy(config: ProxyConfig) -> None:
-    """Run the proxy in a new event loop until SIGINT/SIGTERM; returns after a clean shutdown."""
-    name, runner = event_loop_runner(config.event_loop)
-    log.debug("event loop: %s", name)
-    runner(serve_proxy(config))
