@@ -155,3 +155,40 @@ def test_verify_judges_the_deployment_the_same_through_either_router(real_pd: tu
         verdicts.append([(p["moved_bytes"], p["expected_bytes"]) for p in data["probes"]])
     assert verdicts[0] == verdicts[1]
 
+
+
+def test_serve_router_vllm_router_launches_it_in_front_of_p_and_d(tmp_path: Path) -> None:
+    """`hybridpd serve --role proxy --router vllm-router` (the supervisor, for real) in front of fake P and D
+    (one process sharing a KV ledger): a completion goes P -> D through it, and SIGTERM stops it cleanly."""
+    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_proxy.py"
+    fakes = subprocess.Popen([sys.executable, str(bench), "--serve-fakes"], stdout=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert fakes.stdout is not None
+    p_url, d_url = fakes.stdout.readline().decode().split()[1:3]
+    (proxy_port,) = free_ports(1)
+    err = tmp_path / "serve.err"
+    cmd = [sys.executable, "-m", "hybridpd_cli.main", "serve", "meta-llama/Llama-3.1-8B-Instruct", "--role", "proxy",
+           "--router", "vllm-router", "--vllm-router", ROUTER, "--prefill-port", p_url.rsplit(":", 1)[1],
+           "--decode-port", d_url.rsplit(":", 1)[1], "--proxy-port", str(proxy_port)]
+    with open(err, "w") as fe:
+        serve = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=fe)
+    try:
+        deadline = time.monotonic() + 120
+        while "all healthy" not in err.read_text():
+            assert serve.poll() is None, err.read_text()[-3000:]
+            assert time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.5)
+        body = json.dumps({"model": "fake-model", "prompt": "hello", "max_tokens": 3}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{proxy_port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert json.loads(r.read())["choices"][0]["text"] == expected_text("hello", 3)
+        serve.terminate()
+        assert serve.wait(timeout=60) == 0, err.read_text()[-3000:]
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait(timeout=30)
+        fakes.terminate()
+        out, _ = fakes.communicate(timeout=30)
+    assert b"VIOLATIONS 0" in out, out
