@@ -159,21 +159,39 @@ def test_select_unknown_link_lists_names() -> None:
 
 # --- estimate arithmetic -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("ptp,dtp,isl", [(1, 2, 1024), (1, 2, 131072), (2, 2, 131072), (4, 1, 8192)])
-def test_estimate_is_the_formula_per_rank(ptp: int, dtp: int, isl: int) -> None:
-    plan = build_plan("nano-fp8", prefill=EngineSettings(tp=ptp), decode=EngineSettings(tp=dtp), isls=(isl,))
+# Hand-computed per D rank, from shared/reference/vllm-hybrid-pd.md: Nano Mamba page at TP2 = 18432 + 1048576 =
+# 1,067,008 B (§2.5), fp8 a1 = 256 B/token at TP>=2, block 4176 (§2.5 table), T = 6 layer slots and G = 4 Mamba
+# groups (§2.5 HMA), L = cdiv(isl - 1, 4176).  0.20 (§3.3): K and V separate, kernel 16 (ratio 261):
+# descriptors 2*T*L*261 + 4*T*G = 3132 + 96 = 3228.  0.32 (§9.2): one descriptor per (slot, block):
+# T*L + 4*T*G; contiguous FA rows of a slot merge into one (descriptors_min = T + 4*T*G = 102).
+# bytes = T*L*4176*256 + T*G*1,067,008.
+HAND_CASES = [
+    # model, vLLM, ptp, dtp, isl, descriptors, descriptors_min, bytes (per D rank)
+    ("nano-nvfp4", "0.20", 2, 2, 1000, 3228, 3228, 6 * 1 * 1_069_056 + 24 * 1_067_008),  # L = 1
+    ("nano-fp8", "0.32", 2, 2, 131072, 288, 102, 6 * 32 * 1_069_056 + 24 * 1_067_008),  # L = cdiv(131071, 4176) = 32
+    ("nano-fp8", "0.32", 1, 2, 1024, 102, 102, 6 * 1 * 1_069_056 + 24 * 1_067_008),  # D rank reads its head + slices
+]
+
+
+@pytest.mark.parametrize("model,version,ptp,dtp,isl,desc,desc_min,nbytes", HAND_CASES)
+def test_estimate_matches_hand_numbers(model: str, version: str, ptp: int, dtp: int, isl: int, desc: int,
+                                       desc_min: int, nbytes: int) -> None:
+    plan = build_plan(model, prefill=EngineSettings(tp=ptp), decode=EngineSettings(tp=dtp), isls=(isl,),
+                      vllm_version=version)
     (t,) = plan.transfers
-    c, bw = 12e-6, 200e9
-    est = estimate_request(t, cal(c, bw))
-    expected = [r.descriptors * c + r.bytes / bw for r in t.per_rank]
-    expected_coal = [r.descriptors_min * c + r.bytes / bw for r in t.per_rank]
-    assert len(est.per_rank) == dtp
-    assert [r.seconds for r in est.per_rank] == pytest.approx(expected, rel=1e-12)
-    assert est.request_s == pytest.approx(max(expected), rel=1e-12)
-    assert est.request_s_coalesced == pytest.approx(max(expected_coal), rel=1e-12)
-    worst = max(t.per_rank, key=lambda r: r.descriptors * c + r.bytes / bw)
-    assert est.descriptor_s == pytest.approx(worst.descriptors * c, rel=1e-12)
-    assert est.bandwidth_s == pytest.approx(worst.bytes / bw, rel=1e-12)
+    c, bw, t0 = 12e-6, 200e9, 5e-3
+    entry = Calibration(name="x", transport="t", memory="VRAM", per_descriptor_s=c, bandwidth_Bps=bw, per_read_s=t0,
+                        hardware="h", software="s", measured="m", command="c")
+    est = estimate_request(t, entry)
+    assert [(r.descriptors, r.bytes) for r in est.per_rank] == [(desc, nbytes)] * dtp
+    # e.g. case 1: 5e-3 + 3228 * 12e-6 + 32,022,528 / 200e9 = 0.005 + 0.038736 + 0.00016011264 = 0.04389611264 s
+    want = t0 + desc * c + nbytes / bw
+    assert [r.seconds for r in est.per_rank] == pytest.approx([want] * dtp, rel=1e-12)
+    assert est.request_s == pytest.approx(want, rel=1e-12)
+    assert est.request_s_coalesced == pytest.approx(t0 + desc_min * c + nbytes / bw, rel=1e-12)
+    assert (est.fixed_s, est.descriptor_s, est.bandwidth_s) == pytest.approx((t0, desc * c, nbytes / bw), rel=1e-12)
+    if model == "nano-nvfp4":
+        assert est.request_s == pytest.approx(0.04389611264, rel=1e-12)
 
 
 def test_coalesced_what_if_is_visible() -> None:

@@ -32,7 +32,12 @@ def test_json_schema_and_values() -> None:
     t = d["transfer"][0]
     assert set(t) >= {"isl", "bytes", "naive_bytes", "descriptors", "per_rank"}
     assert set(t["per_rank"][0]) >= {"rank", "bytes", "naive_bytes", "descriptors"}
-    assert t["bytes"] == sum(r["bytes"] for r in t["per_rank"])
+    # By hand (shared/reference/vllm-hybrid-pd.md §2.5, §3.3-3.4): Nano TP2 fp8, block 4176, L = cdiv(999, 4176) = 1;
+    # per D rank FA 6 slots x 4176 x 256 B = 6,414,336; Mamba 6 slots x 4 groups x (18432 + 1048576) = 25,608,192
+    # (padding never moves; full pages would add 24 x 2048 = 49,152); 2 D ranks.
+    assert (t["fa_bytes"], t["mamba_bytes"], t["bytes"]) == (12_828_672, 51_216_384, 64_045_056)
+    assert t["naive_bytes"] == 64_045_056 + 2 * 24 * 2048
+    assert t["descriptors"] == 2 * (2 * 6 * 1 * 261 + 4 * 6 * 4)  # 0.20: K, V separate, kernel 16 (261 per block)
     # NVFP4 checkpoint: hf_quant_config kv_cache_quant_algo FP8 -> fp8 KV (reference §2.2) -> block 4176
     assert d["prefill"]["kv_cache_dtype"] == "fp8"
     assert d["prefill"]["attention_block_size"] == 4176

@@ -11,7 +11,6 @@ import pytest
 from click.testing import CliRunner
 
 from hybridpd.errors import UsageError
-from hybridpd.mamba import global_conv_channel_index, rank_channels
 from hybridpd.plan import build_plan
 from hybridpd.rehearsal import D_INIT, P_PAD, expected_decode, fill_prefill, full_mamba, make_setup, run_in_memory
 from hybridpd.settings import EngineSettings
@@ -43,20 +42,27 @@ def test_prefill_tp1_page_is_the_full_state(tiny_models: dict[str, Path]) -> Non
 
 
 def test_decode_expectation_is_rank_slice(tiny_models: dict[str, Path]) -> None:
+    """D TP2's expected page, sliced by hand from the TP=1 state.  Tiny NemotronH (tests/conftest.py): x = 8 heads x
+    32 = 256 channels, B and C = n_groups 2 x state 16 = 32 channels each, so the DS conv state is [x 0:256 | B
+    256:288 | C 288:320], each channel a row of conv_kernel - 1 = 3 bf16 (6 B).  MambaMixer2 shards x, the groups
+    and the heads contiguously (shared/reference/vllm-hybrid-pd.md §1): rank r keeps x[128r:128r+128],
+    B[256+16r:+16], C[288+16r:+16] (160 channels = 960 B) and heads [4r:4r+4] (4 x 32 x 16 fp32 = 8192 B)."""
     s = make_setup(_plan(tiny_models["nemoh"], 1, 2))
     d = s.d
-    assert d.mamba is not None and d.model.mamba is not None
+    assert d.mamba is not None
+    assert (d.mamba.conv_bytes, d.mamba_page_bytes) == (960, 960 + 8192)
     g = next(g for g in d.groups if g.kind == "mamba")
     conv, ssm = full_mamba(s, 0, g.index)
+    assert conv.shape == (320, 6) and ssm.shape == (8, 32 * 16 * 4)
     for r in range(2):
         exp = expected_decode(s, r)
         blk = s.d_blocks[g.index][0]
         page = exp[0][blk * d.page_size_bytes:(blk + 1) * d.page_size_bytes]
-        idx = global_conv_channel_index(d.model.mamba, rank_channels(d.model.mamba, 2, r))
-        assert np.array_equal(page[:d.mamba.conv_bytes], conv[idx].reshape(-1))
-        heads = list(rank_channels(d.model.mamba, 2, r).heads)
-        assert np.array_equal(page[d.mamba.conv_bytes:d.mamba_page_bytes], ssm[heads].reshape(-1))
-        assert (page[d.mamba_page_bytes:] == D_INIT).all()  # padding untouched
+        want_conv = np.concatenate([conv[128 * r:128 * r + 128], conv[256 + 16 * r:272 + 16 * r],
+                                    conv[288 + 16 * r:304 + 16 * r]])
+        assert np.array_equal(page[:960], want_conv.reshape(-1))
+        assert np.array_equal(page[960:960 + 8192], ssm[4 * r:4 * r + 4].reshape(-1))
+        assert (page[960 + 8192:] == D_INIT).all()  # padding untouched
         # blocks outside the request stay as initialised
         other = sorted(set(range(s.n_log)) - {b for ids in s.d_blocks for b in ids})[0]
         assert (exp[0][other * d.page_size_bytes:(other + 1) * d.page_size_bytes] == D_INIT).all()
