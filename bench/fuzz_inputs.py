@@ -120,6 +120,7 @@ def main() -> None:
     ap.add_argument("--mem-mib", type=int, default=1024, help="Address space a case may add to the parent's.")
     ap.add_argument("--show", type=int, default=5, help="Examples to print per bad outcome.")
     ap.add_argument("--json", dest="json_out", default=None, help="Write counts and examples to this file.")
+    ap.add_argument("--only", choices=["configs", "flags", "files"], default=None, help="Run one group.")
     a = ap.parse_args()
     if a.tree:
         tree = Path(a.tree).resolve()
@@ -144,6 +145,8 @@ def main() -> None:
     rng = random.Random(a.seed)
     cfg_cases = all_cfg if len(all_cfg) <= a.configs else rng.sample(all_cfg, a.configs)
     groups = {"configs": cfg_cases, "flags": fc.flag_cases(a.flags, seed=a.seed), "files": fc.file_cases()}
+    if a.only:
+        groups = {a.only: groups[a.only]}
     base = Path(tempfile.mkdtemp(prefix="hpd-fuzz-"))
     report: dict[str, object] = {}
     try:

@@ -484,7 +484,8 @@ def _jamba(raw: RawModel, cfg: _Cfg) -> ModelSpec:
                           field="mamba_expand", fix=f"set mamba_expand so that mamba_expand * hidden_size <= {WIDTH[1]}")
     rec = Mamba1Dims(intermediate_size=expand * hidden, state_size=cfg.int("mamba_d_state", default=16, bounds=STATE),
                      conv_kernel=cfg.int("mamba_d_conv", default=4, bounds=CONV_KERNEL))
-    spec = _spec(raw, cfg, "jamba", layers, pat, None, _attention_dims(cfg), "mamba1", recurrent=rec)
+    # JambaConfig has no head_dim: vLLM divides hidden_size by num_attention_heads
+    spec = _spec(raw, cfg, "jamba", layers, pat, None, _attention_dims(cfg, head_dim_keys=()), "mamba1", recurrent=rec)
     return spec
 
 

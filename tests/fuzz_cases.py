@@ -252,10 +252,10 @@ def file_cases() -> list[Case]:
     for cmd, flag in ((["plan", "nano", "--json"], "--plot"),
                       (["serve", "nano", "--emit", "k8s"], "-o")):
         for target, files, must in (("new", {}, False), ("link", {"real": b"keep", "link": ("link", "real")}, False),
-                                    ("dev-link", {"dev-link": ("link", "/dev/null")}, True),
+                                    ("dev-link", {"dev": "chardev", "dev-link": ("link", "dev")}, True),
                                     ("dangling", {"dangling": ("link", "missing")}, True),
                                     ("adir", {"adir": "dir"}, True), ("nodir/x", {}, True),
-                                    ("afifo", {"afifo": "fifo"}, True), ("/dev/null", {}, True)):
+                                    ("afifo", {"afifo": "fifo"}, True), ("dev", {"dev": "chardev"}, True)):
             if cmd[0] == "serve" and target == "adir":
                 must = False  # serve -o DIR writes a kustomize directory into an empty directory (by design)
             out.append(Case(id=f"file:{cmd[0]}:{flag}={target}", kind="file", argv=[*cmd, flag, target],
@@ -273,6 +273,11 @@ def materialize(case: Case, work: Path) -> list[str]:
             os.mkfifo(p)
         elif spec == "dir":
             p.mkdir()
+        elif spec == "chardev":  # a private null device (never /dev/null: an old build replaced it as root)
+            try:
+                os.mknod(p, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+            except PermissionError:
+                os.mkfifo(p)
         elif isinstance(spec, tuple):
             os.symlink(spec[1], p)
     if case.kind != "config":
@@ -360,6 +365,8 @@ def check_files(case: Case, work: Path, code: int | None) -> str | None:
             return "symlink target not written"
     if target == "dev-link" and not (work / "dev-link").is_symlink():
         return "symlink replaced"
+    if "dev" in case.files and stat.S_ISREG(os.lstat(work / "dev").st_mode):
+        return "device replaced"
     if target == "afifo" and not stat.S_ISFIFO(os.lstat(work / "afifo").st_mode):
         return "fifo replaced"
     if target == "adir" and not (work / "adir").is_dir() and case.argv[0] != "serve":
