@@ -25,7 +25,7 @@ pytestmark = pytest.mark.vllm
 import numpy as np  # noqa: E402
 from test_vllm_crosscheck import COMBOS, PROFILE, _attn_spec, _group_fn, _mamba_spec, _side  # noqa: E402
 
-from hybridpd.descriptors import local_table  # noqa: E402
+from hybridpd.descriptors import local_table, request_desc_ids  # noqa: E402
 
 NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 
@@ -111,3 +111,33 @@ def test_local_fa_descriptors_match_the_worker(name: str, tp: int, block: int | 
     assert addr.shape[0] == ours.num_fa_descs
     assert np.array_equal(addr, ours.addr[:ours.num_fa_descs]) and np.array_equal(length, ours.length[:ours.num_fa_descs])
     assert rows.shape[0] == s.num_shared_tensors  # K+V of a region collapse into one strided row
+
+
+@pytest.mark.parametrize("name,tp", [(n, tp) for n, tp, ns in COMBOS if ns == 0 and tp in (1, 2, 4)])
+def test_request_desc_ids_match_the_worker(name: str, tp: int) -> None:
+    """Desc ids for one request (2 FA blocks + the one Mamba state block per group), as the worker's own
+    `_compute_desc_ids` numbers them (local side, equal blocks on P and D) vs `descriptors.request_desc_ids`."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    cls = _worker_cls()
+    s = _side(name, tp)
+    if s.physical_per_logical != 1:
+        pytest.skip("kernel ids of an inflated block are expanded before _compute_desc_ids (not called here)")
+    n_log = 8
+    mspec, aspec = _mamba_spec(s, padded=True), _attn_spec(s)
+    specs = {c.name: (mspec if c.kind == "mamba" else aspec) for c in s.model.cache_layers}
+    groups = _group_fn()(specs)
+    block_ids = [[3 + i] if isinstance(g.kv_cache_spec, MambaSpec) else [1, 2] for i, g in enumerate(groups)]
+    stub = _stub(s, n_log, cls)
+    stub._has_mamba = True
+    stub._ssm_region_indices = _ssm_slots_from_vllm(s)
+    stub._group_spec_types = tuple(type(g.kv_cache_spec) for g in groups)
+    # K and V halves are separate regions while the FA shape splits them (test_kv_descriptors_per_block_match)
+    stub.num_regions = s.num_shared_tensors * PROFILE.kv_descs_per_block
+    stub._transfer_layer_group_ids = []
+    stub._scratch_region_indices = []
+    stub._ple_group_index = None
+    theirs = cls._compute_desc_ids(stub, block_ids, n_log, None, 1)
+    table = local_table(s, [(i + 1) << 36 for i in range(s.num_shared_tensors)], n_log)
+    ours = request_desc_ids(s, table, block_ids)
+    assert np.array_equal(np.asarray(theirs, dtype=np.int64), ours)
