@@ -255,3 +255,23 @@ def test_rehearsal_catches_an_injected_fault(model: str, inject: str) -> None:
     assert [r["ok"] for r in res] == [False, True]
     first = "x" if model == "jamba" else "Q"
     assert any(f"region {first}:" in m for m in res[0]["mismatches"])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("model,ptp,dtp", [("jamba", 1, 2), ("qwen3-next", 2, 1)])
+def test_nixl_rehearsal_moves_the_planned_bytes(model: str, ptp: int, dtp: int) -> None:
+    """Real NIXL agents (one process per rank): NIXL's own telemetry counts the plan's bytes and descriptors."""
+    from hybridpd.nixl_agent import nixl_available, run_nixl
+    from hybridpd.rehearsal import make_setup
+
+    if not nixl_available():
+        pytest.skip("nixl not installed")
+    plan = _plan(model, "0.32", ptp, dtp)
+    setup = make_setup(plan, max_rank_bytes=8 << 20)
+    res = run_nixl(setup)
+    assert all(r["ok"] for r in res), [r["mismatches"][:2] for r in res]
+    want = plan.transfer_for(setup.isl)
+    for r in res:
+        if r["telemetry"]:
+            assert r["telemetry"]["bytes"] == r["expected_bytes"] == want.per_rank[r["rank"]].bytes
+            assert r["telemetry"]["descriptors"] == r["moved_descriptors"]
