@@ -378,3 +378,30 @@ def test_cpu_gdn_keeps_an_explicit_half_state(ssm: str) -> None:
     s = EngineSettings(tp=1, mamba_ssm_cache_dtype=ssm, cpu_avx512_bf16=True, cpu_amx_tile=False)
     side = layout.side_layout(_spec(name), s, PROFILE, profiles.platform_for("cpu"), role="prefill")
     assert (side.dtypes.ssm == ssm) if keeps else (side.dtypes.ssm == "float32")
+
+
+@pytest.mark.parametrize("name", list(TPS))
+def test_request_desc_ids_match_the_worker(name: str) -> None:
+    """`_compute_desc_ids`: FA ids region-major, then (sub-projections + 1) SSM regions per slot, per group."""
+    import inspect
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    fn = _worker()._compute_desc_ids
+    params = inspect.signature(fn).parameters
+    if "_group_spec_types" not in inspect.getsource(fn) or "physical_blocks_per_logical" not in params:
+        pytest.skip(f"vLLM {PROFILE.name}'s _compute_desc_ids has another shape; covered from 0.29")
+    n_log = 40
+    s = _side(name, 1, num_blocks=n_log)
+    assert s.physical_per_logical == 1  # kernel ids == logical ids: no expansion before the call
+    fake = _fake_worker(s, name, 0, n_log)
+    fake.__dict__.update(
+        _has_mamba=True, _transfer_layer_group_ids=[], num_regions=s.num_shared_tensors * PROFILE.kv_descs_per_block,
+        _group_spec_types=[MambaSpec if g.kind == "mamba" else FullAttentionSpec for g in s.groups],
+        _scratch_region_indices=[], _ple_group_index=None, region_group_ids=[], _uses_region_group_mapping=False)
+    blocks = [list(range(3, 8)) if g.kind == "attention" else [n_log - 1 - g.index] for g in s.groups]
+    theirs = fn(fake, blocks, n_log, None, 1)
+    table = local_table(s, [(i + 1) << 32 for i in range(s.num_shared_tensors)], n_log)
+    from hybridpd.descriptors import request_desc_ids
+
+    assert np.array_equal(np.sort(theirs), np.sort(request_desc_ids(s, table, blocks)))
