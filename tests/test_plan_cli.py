@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from golden_files import check_golden, text_lines
 
 REQUIRED_SIDE_KEYS = {"tp", "attention_block_size", "kernel_block_size", "physical_per_logical", "page_size_bytes",
                       "mamba_page_bytes", "padding_bytes", "conv_state_shape", "ssm_state_shape", "conv_state_bytes",
@@ -306,7 +307,6 @@ def test_descriptor_range_is_explained() -> None:
 
 
 REPO = Path(__file__).resolve().parents[1]
-GOLDEN = REPO / "tests" / "golden" / "plan"
 
 
 @pytest.mark.parametrize("width", [80, 200])
@@ -318,11 +318,8 @@ def test_golden_human_output(width: int) -> None:
     r = subprocess.run([sys.executable, "-m", "hybridpd_cli.main", *args], capture_output=True, text=True,
                        cwd=REPO, env={**os.environ, "COLUMNS": str(width), "TERM": "dumb"}, timeout=60)
     assert r.returncode == 1, r.stderr
-    got = "\n".join(ln.rstrip() for ln in r.stdout.splitlines()) + "\n"
-    path = GOLDEN / f"nano-fp8-1-4-{width}.txt"
-    if os.environ.get("HYBRIDPD_REGEN_GOLDEN") == "1":
-        path.write_text(got)
-    assert got == path.read_text(), f"{path.name} differs; HYBRIDPD_REGEN_GOLDEN=1 regenerates it"
+    got = text_lines(r.stdout)
+    check_golden("plan", f"nano-fp8-1-4-{width}.txt", got)
     assert max(len(ln) for ln in got.splitlines()) <= width
     for v in HAND:
         assert v in got
