@@ -240,8 +240,10 @@ def facts(v: Variant) -> dict[Key, Value]:
     for r in p.routes or ():
         for s in r.sources:
             scope = f"D{r.rank}<-P{s.p_rank}"
-            for k, val in (("fa", _span(s.fa)), ("fa_v_offset", s.fa_v_offset), ("x", _span(s.x)),
-                           ("B", _span(s.b)), ("C", _span(s.c)), ("ssm", _span(s.ssm)),
+            conv: tuple[tuple[str, Value], ...] = (("x", _span(s.x)), ("B", _span(s.b)), ("C", _span(s.c)))
+            if s.conv is not None and s.x is None:  # Mamba-1 (x) or GatedDeltaNet (Q, K, V)
+                conv = tuple((n, _span(sp)) for n, sp in zip(s.conv_names, s.conv, strict=True))
+            for k, val in (("fa", _span(s.fa)), ("fa_v_offset", s.fa_v_offset), *conv, ("ssm", _span(s.ssm)),
                            ("local_part", f"{s.local_slot}/{s.local_parts}")):
                 out[("reads", scope, k)] = val
     for t in p.transfers:
