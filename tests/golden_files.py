@@ -5,6 +5,7 @@ Regenerate only after an intended change, and read the diff (`git diff tests/gol
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -23,7 +24,9 @@ def check_golden(area: str, name: str, got: str) -> None:
         path.write_text(got)
     assert path.exists(), f"{path} missing: run {REGEN}=1 pytest on this test"
     want = path.read_text()
-    assert got == want, f"{area}/{name} differs; check the change, then {REGEN}=1 regenerates it"
+    if got != want:
+        diff = "".join(list(difflib.unified_diff(want.splitlines(True), got.splitlines(True), "golden", "got"))[:60])
+        raise AssertionError(f"{area}/{name} differs; check the change, then {REGEN}=1 regenerates it\n{diff}")
 
 
 def text_lines(out: str) -> str:
