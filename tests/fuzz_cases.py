@@ -95,6 +95,7 @@ class Case:
     content: bytes | Callable[[], bytes] | None = None  # config.json bytes (or their maker), to <work>/m/config.json
     special: str | None = None  # fifo | devzero | dir | devnull | dangling | huge (replaces content)
     files: dict[str, Any] = field(default_factory=dict)  # extra files: name -> bytes | "fifo" | "dir" | ("link", to)
+    ext: str = ""  # file cases: the suffix every name of the case carries
 
 
 def family_of(cfg: dict[str, Any]) -> str:
@@ -249,17 +250,20 @@ def flag_cases(n: int = 600, seed: int = 0) -> list[Case]:
 def file_cases() -> list[Case]:
     """--plot and serve -o into hostile paths. Checked by ``check_files`` after the run."""
     out = []
-    for cmd, flag in ((["plan", "nano", "--json"], "--plot"),
-                      (["serve", "nano", "--emit", "k8s"], "-o")):
-        for target, files, must in (("new", {}, False), ("link", {"real": b"keep", "link": ("link", "real")}, False),
-                                    ("dev-link", {"dev": "chardev", "dev-link": ("link", "dev")}, True),
-                                    ("dangling", {"dangling": ("link", "missing")}, True),
-                                    ("adir", {"adir": "dir"}, True), ("nodir/x", {}, True),
-                                    ("afifo", {"afifo": "fifo"}, True), ("dev", {"dev": "chardev"}, True)):
+    for cmd, flag, ext in ((["plan", "nano", "--json"], "--plot", ".png"),
+                           (["serve", "nano", "--emit", "k8s"], "-o", "")):
+        def n(name: str, ext: str = ext) -> str:
+            return name + ext
+
+        for target, files, must in (("new", {}, False), ("link", {n("real"): b"keep", n("link"): ("link", n("real"))}, False),
+                                    ("dev-link", {n("dev"): "chardev", n("dev-link"): ("link", n("dev"))}, True),
+                                    ("dangling", {n("dangling"): ("link", n("missing"))}, True),
+                                    ("adir", {n("adir"): "dir"}, True), ("nodir/x", {}, True),
+                                    ("afifo", {n("afifo"): "fifo"}, True), ("dev", {n("dev"): "chardev"}, True)):
             if cmd[0] == "serve" and target == "adir":
                 must = False  # serve -o DIR writes a kustomize directory into an empty directory (by design)
-            out.append(Case(id=f"file:{cmd[0]}:{flag}={target}", kind="file", argv=[*cmd, flag, target],
-                            must_fail=must, key=flag, files=files))
+            out.append(Case(id=f"file:{cmd[0]}:{flag}={n(target)}", kind="file", argv=[*cmd, flag, n(target)],
+                            must_fail=must, key=flag, files=files, ext=ext))
     return out
 
 
@@ -334,6 +338,8 @@ def classify(case: Case, code: int | None, out: str, err: str, *, exc: str | Non
         return "accepted-bad" if case.must_fail else "ok"
     if code != 2:
         return f"exit-{code}"
+    if case.kind == "file" and not case.must_fail:
+        return "refused-good"  # a new file, a link to a regular file, an empty directory for serve: must be written
     lines = [ln for ln in err.strip().splitlines() if ln.startswith("Error:")]
     if len(lines) != 1:
         return "not-one-line"
@@ -357,24 +363,28 @@ def check_files(case: Case, work: Path, code: int | None) -> str | None:
     left = [p.name for p in work.rglob(".hybridpd-*")]
     if left:
         return f"temp files left: {left}"
-    target = case.argv[-1]
+    target = case.argv[-1].removesuffix(case.ext) if case.ext else case.argv[-1]
+
+    def p(name: str) -> Path:
+        return work / (name + case.ext)
+
     if target == "link":
-        if not (work / "link").is_symlink():
+        if not p("link").is_symlink():
             return "symlink replaced"
-        if code in (0, 1) and (work / "real").read_bytes() == b"keep":
+        if code in (0, 1) and p("real").read_bytes() == b"keep":
             return "symlink target not written"
-    if target == "dev-link" and not (work / "dev-link").is_symlink():
+    if target == "dev-link" and not p("dev-link").is_symlink():
         return "symlink replaced"
-    if "dev" in case.files and stat.S_ISREG(os.lstat(work / "dev").st_mode):
+    if p("dev").name in case.files and stat.S_ISREG(os.lstat(p("dev")).st_mode):
         return "device replaced"
-    if target == "afifo" and not stat.S_ISFIFO(os.lstat(work / "afifo").st_mode):
+    if target == "afifo" and not stat.S_ISFIFO(os.lstat(p("afifo")).st_mode):
         return "fifo replaced"
-    if target == "adir" and not (work / "adir").is_dir() and case.argv[0] != "serve":
+    if target == "adir" and not p("adir").is_dir() and case.argv[0] != "serve":
         return "directory replaced"
-    if target == "dangling" and (work / "missing").exists():
+    if target == "dangling" and p("missing").exists():
         return "wrote through a dangling link"
     if target == "new" and code in (0, 1):
-        mode = stat.S_IMODE(os.stat(work / "new").st_mode)
+        mode = stat.S_IMODE(os.stat(p("new")).st_mode)
         mask = os.umask(0)
         os.umask(mask)
         if mode != 0o666 & ~mask:

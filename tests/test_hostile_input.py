@@ -241,11 +241,11 @@ OUTPUTS = [(["plan", "nano", "--json", "--plot"], "png"), (["serve", "nano", "--
 
 @pytest.mark.parametrize("cmd,ext", OUTPUTS)
 def test_output_through_a_symlink_writes_its_target_and_keeps_the_link(tmp_path: Path, cmd: list[str], ext: str) -> None:
-    (tmp_path / "real").write_bytes(b"old")
-    (tmp_path / "link").symlink_to("real")
-    code, _, err = cli([*cmd, "link"], cwd=tmp_path)
+    (tmp_path / f"real.{ext}").write_bytes(b"old")
+    (tmp_path / f"link.{ext}").symlink_to(f"real.{ext}")
+    code, _, err = cli([*cmd, f"link.{ext}"], cwd=tmp_path)
     assert code in (0, 1), err
-    assert (tmp_path / "link").is_symlink() and (tmp_path / "real").read_bytes() != b"old"
+    assert (tmp_path / f"link.{ext}").is_symlink() and (tmp_path / f"real.{ext}").read_bytes() != b"old"
     assert not list(tmp_path.glob(".hybridpd-*"))
 
 
@@ -263,28 +263,33 @@ def test_output_mode_follows_the_umask(tmp_path: Path, cmd: list[str], ext: str)
 @pytest.mark.parametrize("cmd,ext", OUTPUTS)
 @pytest.mark.parametrize("what", ["dev-link", "dangling", "fifo", "missing-dir", "chardev"])
 def test_outputs_never_replace_what_the_user_did_not_mean(tmp_path: Path, cmd: list[str], ext: str, what: str) -> None:
-    target = "out"
+    out = tmp_path / f"out.{ext}"
+    target = out.name
     if what == "dev-link":  # to a private device: never /dev/null (an old build replaced it when run as root)
         try:
             os.mknod(tmp_path / "dev", stat.S_IFCHR | 0o600, os.makedev(1, 3))
         except PermissionError:
             os.mkfifo(tmp_path / "dev")
-        (tmp_path / "out").symlink_to("dev")
+        out.symlink_to("dev")
     elif what == "dangling":
-        (tmp_path / "out").symlink_to("nowhere")
+        out.symlink_to("nowhere")
     elif what == "fifo":
-        os.mkfifo(tmp_path / "out")
+        os.mkfifo(out)
     elif what == "missing-dir":
-        target = "nodir/out"
+        target = f"nodir/out.{ext}"
     elif what == "chardev":
         try:
-            os.mknod(tmp_path / "out", stat.S_IFCHR | 0o600, os.makedev(1, 3))  # a private /dev/null
+            os.mknod(out, stat.S_IFCHR | 0o600, os.makedev(1, 3))  # a private /dev/null
         except PermissionError:
             pytest.skip("mknod needs root")
-    before = os.lstat(tmp_path / "out").st_mode if what != "missing-dir" else None
-    refused([*cmd, target], "--plot" if ext == "png" else "output", cwd=tmp_path)
+    before = os.lstat(out).st_mode if what != "missing-dir" else None
+    why = {"dev-link": "symlink to a character device", "dangling": "does not exist", "fifo": "FIFO",
+           "missing-dir": "does not exist", "chardev": "character device"}[what]
+    if what == "dev-link" and not stat.S_ISCHR(os.stat(out).st_mode):
+        why = "symlink to a FIFO"
+    refused([*cmd, target], "--plot" if ext == "png" else "output", why, cwd=tmp_path)
     if before is not None:
-        assert os.lstat(tmp_path / "out").st_mode == before
+        assert os.lstat(out).st_mode == before
     assert not (tmp_path / "nowhere").exists() and not (tmp_path / "nodir").exists()
     assert not list(tmp_path.glob(".hybridpd-*"))
 
