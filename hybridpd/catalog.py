@@ -67,7 +67,8 @@ def pd_support(spec: ModelSpec, profile: VllmProfile, tp: tuple[int, int] = (1, 
 
     try:
         plan = build_plan(spec, prefill=EngineSettings(tp=tp[0]), decode=EngineSettings(tp=tp[1]),
-                          vllm_version=_version_in(profile), isls=(1024,))
+                          vllm_version=_version_in(profile),
+                          isls=(min(1024, (spec.max_position_embeddings or 1025) - 1),))
     except HybridPDError as e:
         return Support(supported=False, reason=type(e).__name__)
     errors = [f for f in plan.findings if f.severity == ERROR]
