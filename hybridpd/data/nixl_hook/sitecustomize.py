@@ -13,6 +13,7 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+from typing import Any
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -24,8 +25,8 @@ def _delay() -> int:
         return 0
 
 
-def _patch(mod) -> None:
-    orig = getattr(mod, "nixlAgent", None)
+def _patch(mod: Any) -> None:
+    orig: Any = getattr(mod, "nixlAgent", None)
     if orig is None or getattr(orig, "_hybridpd_paced", False):
         return
     delay = _delay()
