@@ -9,6 +9,15 @@ import click
 
 from hybridpd.errors import HybridPDError
 
+# optional dependencies -> how to install them (pyproject extras)
+_EXTRAS = {
+    "torch": "pip install 'hybridpd[convert]'", "safetensors": "pip install 'hybridpd[convert]'",
+    "xxhash": "pip install 'hybridpd[convert]', or pass --checksum crc32",
+    "numpy": "pip install 'hybridpd[rehearse]'",
+    "nixl": "pip install --no-deps nixl-cu13==1.5.1 nixl==1.5.1", "nixl_cu13": "pip install --no-deps nixl-cu13==1.5.1",
+    "matplotlib": "pip install 'hybridpd[plot]'", "yaml": "pip install pyyaml",
+}
+
 
 def run_with_errors(cmd: click.Command, argv: list[str] | None, *, debug: bool = False) -> Any:
     try:
@@ -26,6 +35,12 @@ def run_with_errors(cmd: click.Command, argv: list[str] | None, *, debug: bool =
             raise
         click.echo(f"Error: {e}", err=True)
         sys.exit(e.exit_code)
+    except ModuleNotFoundError as e:
+        extra = _EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None or debug:
+            raise
+        click.echo(f"Error: this command needs {e.name}, which is not installed (fix: {extra})", err=True)
+        sys.exit(1)
     except BrokenPipeError:  # `hybridpd plan ... | head`
         sys.exit(0)
     except KeyboardInterrupt:

@@ -23,8 +23,14 @@ def prompt_ids(n: int) -> list[int]:
 def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
     req = urllib.request.Request(url.rstrip("/") + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - user-given URL
-        return json.loads(r.read().decode())
+    raw = metrics.fetch(req, timeout)
+    try:
+        return dict(json.loads(raw.decode()))
+    except (ValueError, TypeError):
+        from .errors import ExternalToolError
+
+        raise ExternalToolError(f"{req.full_url} did not answer a JSON completion: {raw[:80]!r}",
+                                fix="point --decode/--prefill/--proxy at vLLM's (or hybridpd's proxy's) HTTP port") from None
 
 
 def send_probe(decode_url: str, other_url: str, model_name: str, isl: int, *, proxy: bool = False,

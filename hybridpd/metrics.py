@@ -8,6 +8,7 @@ plan's total over D ranks, never with one rank.
 from __future__ import annotations
 
 import math
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -40,10 +41,25 @@ def parse(text: str) -> dict[str, float]:
     return out
 
 
+def fetch(req: str | urllib.request.Request, timeout: float) -> bytes:
+    """GET/POST a deployment URL; an unreachable or failing server is a clear failure, never a traceback."""
+    from .errors import ExternalToolError
+
+    url = req if isinstance(req, str) else req.full_url
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - user-given URL
+            return bytes(r.read())
+    except urllib.error.HTTPError as e:
+        raise ExternalToolError(f"{url} answered HTTP {e.code} {e.reason}",
+                                fix="check the server's log; is the model name and URL right?") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise ExternalToolError(f"cannot reach {url}: {reason}",
+                                fix="check the URL and that the server is up (`hybridpd serve` prints its URLs)") from None
+
+
 def snapshot(url: str, timeout: float = 10.0) -> dict[str, float]:
-    base = url.rstrip("/")
-    with urllib.request.urlopen(f"{base}/metrics", timeout=timeout) as r:  # noqa: S310 - user-given URL
-        return parse(r.read().decode())
+    return parse(fetch(f"{url.rstrip('/')}/metrics", timeout).decode())
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
