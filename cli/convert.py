@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ._options import ModelArg
+from ._options import MAX_SPEC_TOKENS, MAX_TP, BoundedInt, ModelArg
 from ._output import Report, Table, emit_json, emit_report, fmt_bytes, hint, output_options, resolve_format
 
 
@@ -39,11 +39,11 @@ _MAX_ROWS = 40
 @click.option("--model", type=ModelArg(), default=None,
               help="Recognise conv/SSM states by shape (same MODEL resolution as `plan`). Needed to split/merge "
                    "files that do not record the model's dims.")
-@click.option("--num-speculative-tokens", "num_spec", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--num-speculative-tokens", "num_spec", type=BoundedInt(0, MAX_SPEC_TOKENS), default=0, show_default=True,
               help="Speculative tokens the engine ran with (state_len = conv_kernel - 1 + this).")
 @click.option("--pattern", default=None,
               help="Regex for conv state tensor names (default: 'conv', or the file's recorded list).")
-@click.option("--tp-split", type=click.IntRange(min=2), default=None,
+@click.option("--tp-split", type=BoundedInt(2, MAX_TP), default=None,
               help="Write N per-rank files (x, B, C and SSM heads sliced as vLLM shards them).")
 @click.option("--tp-merge", is_flag=True, help="Merge per-rank files (a directory or a {rank} template) into one.")
 @click.option("--check", is_flag=True,

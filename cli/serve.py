@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from ._options import ModelArg, engine_options, settings_from
+from ._options import BoundedInt, ModelArg, engine_options, settings_from
 from ._output import emit_json, hint, output_options
 
 
@@ -26,8 +26,8 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
 @click.argument("model", type=ModelArg())
 @click.option("--role", type=click.Choice(["prefill", "decode", "proxy", "all"]), default="all", show_default=True,
               help="What to run here: one side, the proxy, or everything supervised.")
-@click.option("--num-prefill", type=click.IntRange(min=1), default=1, show_default=True, help="P instances.")
-@click.option("--num-decode", type=click.IntRange(min=1), default=1, show_default=True, help="D instances.")
+@click.option("--num-prefill", type=BoundedInt(1, 64), default=1, show_default=True, help="P instances.")
+@click.option("--num-decode", type=BoundedInt(1, 64), default=1, show_default=True, help="D instances.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="HTTP bind host of every process.")
 @click.option("--prefill-port", type=click.IntRange(1, 65535), default=8100, show_default=True,
               help="HTTP port of prefill-0 (prefill-i: +i).")
@@ -41,9 +41,9 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
 @click.option("--gpus", "--cpus", "devices", default=None,
               help="Devices to split across instances in order, e.g. 0-3: GPUs (CUDA_VISIBLE_DEVICES) on cuda, "
                    "cores (VLLM_CPU_OMP_THREADS_BIND) on cpu. Default: 0..N-1 / all cores.")
-@click.option("--cores-per-rank", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--cores-per-rank", type=BoundedInt(1, 4096), default=1, show_default=True,
               help="CPU cores per TP rank (cpu).")
-@click.option("--cpu-kvcache-space", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--cpu-kvcache-space", type=BoundedInt(1, 1 << 20), default=1, show_default=True,
               help="VLLM_CPU_KVCACHE_SPACE in GiB (cpu).")
 @click.option("--ucx-net-devices", default=None, help="UCX_NET_DEVICES (default: lo for a loopback side channel).")
 @click.option("--env", "extra_env", multiple=True, callback=_env_pairs, help="KEY=VALUE for every vLLM server.")

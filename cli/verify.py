@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from ._options import ModelArg, engine_options, settings_from, target_from
+from ._options import MAX_BYTES, MAX_TOKENS, MAX_TP, BoundedInt, ModelArg, engine_options, settings_from, target_from
 from ._output import Report, Table, emit_json, emit_report, hint, output_options, resolve_format
 
 
@@ -18,19 +18,20 @@ from ._output import Report, Table, emit_json, emit_report, hint, output_options
               help="Live mode against what `hybridpd serve` recorded: its model, release, platform, engine settings "
                    "and URLs (engine options given here override the record, with a note).")
 @click.option("--rehearse", is_flag=True, help="Rehearse the transfer in real memory with NIXL (no GPU, no vLLM).")
-@click.option("--isl", type=click.IntRange(min=1), default=None,
+@click.option("--isl", type=BoundedInt(1, MAX_TOKENS), default=None,
               help="Request length in tokens (rehearsal default: 1.5 blocks; live default: 1.5 blocks).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the full-model state and block ids.")
+@click.option("--seed", type=BoundedInt(0, 2**32 - 1), default=0, show_default=True,
+              help="Seed of the full-model state and block ids.")
 @click.option("--inject", type=click.Choice(["offset", "length"]), default=None,
               help="Fault injection: shift one remote descriptor by a block, or shorten one.")
-@click.option("--inject-rank", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--inject-rank", type=BoundedInt(0, MAX_TP - 1), default=0, show_default=True,
               help="D rank whose first READ gets the fault.")
 @click.option("--device", default="cpu", show_default=True,
               help="Where the rehearsal's KV tensors live: cpu (DRAM), cuda / cuda:N (VRAM, every rank on one GPU), "
                    "cuda:N,M (P ranks on GPU N, D ranks on GPU M).")
 @click.option("--transport", type=click.Choice(["nixl", "numpy"]), default="nixl", show_default=True,
               help="nixl: one NIXL agent per rank in separate processes; numpy: in-process copies (no NIXL).")
-@click.option("--max-rank-bytes", type=click.IntRange(min=1 << 20), default=64 << 20, show_default=True,
+@click.option("--max-rank-bytes", type=BoundedInt(1 << 20, MAX_BYTES), default=64 << 20, show_default=True,
               help="Cap on KV bytes per rank when --num-blocks is not given.")
 @click.option("--decode", "decode_url", default=None, help="Live mode: decode server URL (reads its /metrics).")
 @click.option("--prefill", "prefill_url", default=None, help="Live mode: prefill server URL.")
