@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +28,21 @@ class _Layout(click.ParamType):
 
 LAYOUT = _Layout()
 _MAX_ROWS = 40
+
+
+@contextmanager
+def _terminate_cleanly() -> Iterator[None]:
+    """SIGTERM / SIGHUP end the conversion like Ctrl-C: the writers' abort paths remove their temporary
+    files, then the process exits 128 + signal number (only SIGKILL can leave a temporary behind)."""
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 @click.command()
@@ -85,7 +101,7 @@ def convert(input_path: str, output_path: str, to: str | None, from_layout: str 
                           checksum=checksum, allow_network=allow_network)
     out = resolve_format(as_json, fmt)
     show = sys.stderr.isatty() if progress is None else progress
-    with _progress(show, "checking" if check else "converting") as bar:
+    with _terminate_cleanly(), _progress(show, "checking" if check else "converting") as bar:
         if check:
             result = run_check(input_path, output_path, opts, progress=bar)
             data = result.to_dict()

@@ -158,3 +158,22 @@ def test_sigkill_mid_write_leaves_input_intact_and_no_output(tmp_path: Path) -> 
     assert again.returncode == 0, err
     assert final.exists() and not tmp_file.exists()
     assert load(final)["model.layers.5.mixer.conv_state"].shape == (64, 2048, 3)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_mid_write_removes_the_temporary(tmp_path: Path, sig: signal.Signals) -> None:
+    src = save(tmp_path / "big.safetensors",
+               {f"model.layers.{i}.mixer.conv_state": rand((64, 3, 2048), torch.bfloat16, i) for i in range(24)})
+    final = tmp_path / "out.safetensors"
+    proc = _run([str(src), str(final), "--to", "DS", "--from", "SD"], {"HYBRIDPD_TEST_SLOW_WRITE": "0.25"})
+    deadline = time.monotonic() + 60
+    seen = False
+    while time.monotonic() < deadline and proc.poll() is None and not seen:
+        seen = any(p.name.startswith(".out.safetensors.") for p in tmp_path.iterdir())
+        time.sleep(0.02)
+    assert seen, proc.communicate()
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    assert proc.returncode == 128 + sig
+    assert not final.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".hybridpd-tmp")]
