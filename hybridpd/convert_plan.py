@@ -157,7 +157,13 @@ def _err(entry: TensorEntry, header: Header, msg: str, fix: str, fld: str = "--m
     return UsageError(f"{header.path.name}: tensor {entry.name!r} {list(entry.shape)} {msg}", field=fld, fix=fix)
 
 
-def _conv_role(entry: TensorEntry, header: Header, geo: Geometry | None, hint: str | None, via: str) -> Role:
+def _meta_int(header: Header, key: str) -> int | None:
+    v = header.metadata.get(key)
+    return int(v) if v is not None and v.isdigit() and len(v) < 10 else None
+
+
+def _conv_role(entry: TensorEntry, header: Header, geo: Geometry | None, hint: str | None, via: str,
+               hint_from_metadata: bool = False, meta_state_len: int | None = None) -> Role:
     a, b = entry.shape[-2:]
     if geo is None:
         if hint is None:
@@ -165,6 +171,14 @@ def _conv_role(entry: TensorEntry, header: Header, geo: Geometry | None, hint: s
             raise _err(entry, header, f"is a conv state, but is it SD (state_len, dim) or DS (dim, state_len)?{sq}",
                        "pass --from SD|DS, or --model so the shape can be recognised", "--from")
         dim, length = (b, a) if hint == SD else (a, b)
+        # a conv state has conv_kernel - 1 (+ spec) rows and many channels; hybridpd's own files record state_len
+        wrong = (length != meta_state_len and dim == meta_state_len) if meta_state_len else length > dim
+        if wrong and hint_from_metadata:
+            other = DS if hint == SD else SD
+            raise _err(entry, header, f"read as {hint}, as the file's {META_LAYOUT} metadata says, gives state_len "
+                       f"{length} > dim {dim}: the shape is that of an {other} conv state, and converting it as {hint} "
+                       "would transpose it wrongly", f"pass --from {other} if the metadata is wrong, or --model so the "
+                       "shape decides", "--from")
         note = (f"state_len {length} > dim {dim}: check --from" if length > dim else None)
         return Role(kind=CONV, via=via, layout=hint, channels=dim, length=length, note=note)
     L, dims = geo.state_len, geo.tp_by_conv_dim
@@ -238,7 +252,8 @@ def classify(header: Header, *, geo: Geometry | None, pattern: str | None, from_
                            "fix the file's metadata", META_CONV_TENSORS)
             roles[t.name] = Role(kind=OTHER, note=f"name matches, but {t.dtype} {list(t.shape)} is no conv state")
         elif chosen:
-            roles[t.name] = _conv_role(t, header, geo, hint, via)
+            roles[t.name] = _conv_role(t, header, geo, hint, via, hint_from_metadata=from_layout is None and
+                                       declared is not None, meta_state_len=_meta_int(header, META_STATE_LEN))
         else:
             roles[t.name] = ssm or Role(kind=OTHER)
     tps = {r.tp for r in roles.values() if r.tp is not None}

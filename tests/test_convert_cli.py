@@ -177,3 +177,17 @@ def test_sigterm_or_sighup_mid_write_removes_the_temporary(tmp_path: Path, sig: 
     assert proc.returncode == 128 + sig
     assert not final.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".hybridpd-tmp")]
+
+
+def test_metadata_layout_contradicting_the_shape_is_refused(tmp_path: Path) -> None:
+    # a (3, 6144) conv state is SD-shaped (state_len 3, 6144 channels); metadata claiming DS would transpose it wrongly
+    src = tmp_path / "lying.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"model.layers.0.mixer.conv_state": rand((3, 6144), torch.bfloat16, 0)}, str(src),
+              metadata={"hybridpd.conv_layout": "DS"})
+    proc = _run([str(src), str(tmp_path / "o.safetensors"), "--to", "SD"])
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert b"--from" in err and b"state_len 6144 > dim 3" in err and b"Traceback" not in err
+    assert not (tmp_path / "o.safetensors").exists()
