@@ -222,6 +222,7 @@ def _run_job(job: Job, headers: list[Header], frs: list[FileRoles], plan: Stream
     for s, h in zip(sources, headers, strict=True):  # a hash needs the file read in its own order
         s.hasher = new_checksum(opts.checksum) if [t.name for t in h.tensors] == in_order else None
     writers: list[Writer] = []
+    out_digests: list[str | None] = []
     try:
         for k, target in enumerate(job.targets):
             meta = _out_metadata(headers[0], frs, plan, k, geo, opts, to)
@@ -231,13 +232,17 @@ def _run_job(job: Job, headers: list[Header], frs: list[FileRoles], plan: Stream
         digests = [s.hasher.value if s.hasher else None for s in sources]
         none = Checksum.placeholder(opts.checksum) if opts.checksum != "none" else ""
         patch = {META_SOURCE_CHECKSUM: ",".join(d or none for d in digests)} if none else {}
-        out_digests = [w.finish(patch) for w in writers]
+        for w in writers:  # each commit is atomic; say exactly which happened if a later one fails
+            out_digests.append(w.finish(patch))
     except BaseException as e:
-        for w in writers:
+        for w in writers[len(out_digests):]:
             w.abort()
         if isinstance(e, OSError):  # disk full, permissions, a vanished file: a failure, not a bug
+            done = [f.path for f in summary.outputs] + [str(t) for t in job.targets[:len(out_digests)]]
+            said = (f"these outputs were written whole before it: {', '.join(done)}; nothing else was written"
+                    if done else "nothing was written under OUTPUT")
             raise HybridPDError(f"I/O error while converting {job.sources[0]}: {e}", field="OUTPUT",
-                                fix="check free space and permissions; nothing was written under OUTPUT") from e
+                                fix=f"check free space and permissions; {said}") from e
         raise
     finally:
         for s in sources:

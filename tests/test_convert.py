@@ -140,6 +140,30 @@ def test_disk_full_is_a_clean_failure(tmp_path: Path, monkeypatch: pytest.Monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]  # no output, no temporary
 
 
+def test_disk_full_on_a_later_shard_says_which_shards_were_written(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridpd.convert_io import Writer
+
+    src = tmp_path / "a.safetensors"
+    state_file(src, dim=GRANITE_DIM)
+    real = Writer.finish
+    calls = []
+
+    def finish(self: Writer, patch: dict[str, str]) -> str | None:
+        calls.append(self)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, patch)
+
+    monkeypatch.setattr(Writer, "finish", finish)
+    with pytest.raises(HybridPDError, match="No space left") as e:
+        convert(src, tmp_path / "out", ConvertOptions(to="DS", geometry=geo(GRANITE), tp_split=2))
+    written = sorted(p for p in (tmp_path / "out").iterdir() if not p.name.startswith("."))
+    assert len(written) == 1 and str(written[0]) in str(e.value) and "nothing else was written" in str(e.value)
+    assert "nothing was written under OUTPUT" not in str(e.value)
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.endswith(".hybridpd-tmp")]
+
+
 def test_read_header_rejects_corrupt_files(tmp_path: Path) -> None:
     good = tmp_path / "g.safetensors"
     save(good, {"a": torch.zeros(4, 4)})
