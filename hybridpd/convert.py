@@ -194,7 +194,11 @@ def convert(input: str | Path, output: str | Path, opts: ConvertOptions,
     _check_targets(jobs, opts.force, mkdirs=mkdirs)
     device = resolve_device(opts.device)
     for t in (t for j in jobs for t in j.targets):
-        t.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            t.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"cannot create directory {t.parent}: {e.strerror}", field="OUTPUT",
+                             fix="choose an OUTPUT under a writable directory; nothing was written") from None
     summary = ConvertSummary(operation=op, to=to, model=opts.model or (opts.geometry.model if opts.geometry else None),
                              device=device)
     total = sum(h.data_bytes for _, headers, *_ in planned for h in headers)

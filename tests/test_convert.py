@@ -164,6 +164,21 @@ def test_disk_full_on_a_later_shard_says_which_shards_were_written(tmp_path: Pat
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.endswith(".hybridpd-tmp")]
 
 
+def test_tp_split_into_an_uncreatable_directory_is_a_usage_error(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # as root a read-only parent does not refuse mkdir, so the refusal is simulated where it happens
+    src = tmp_path / "a.safetensors"
+    state_file(src, dim=GRANITE_DIM)
+
+    def refuse(self: Path, *a: object, **kw: object) -> None:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(UsageError, match="cannot create directory .*Permission denied") as e:
+        convert(src, tmp_path / "ro" / "out", ConvertOptions(to="DS", geometry=geo(GRANITE), tp_split=2))
+    assert e.value.exit_code == 2 and "nothing was written" in str(e.value)
+
+
 def test_read_header_rejects_corrupt_files(tmp_path: Path) -> None:
     good = tmp_path / "g.safetensors"
     save(good, {"a": torch.zeros(4, 4)})
