@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import HybridPDError, UsageError
+from .host import pid_alive
 
 # safetensors dtype -> bytes per element (sub-byte and unknown dtypes are copied as raw bytes only).
 DTYPE_BYTES: dict[str, int] = {
@@ -263,14 +264,6 @@ def build_header(entries: Sequence[tuple[str, str, Sequence[int], int]], metadat
     return struct.pack("<Q", len(text)) + text
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def sweep_stale_temporaries(final: Path) -> list[Path]:
@@ -279,7 +272,7 @@ def sweep_stale_temporaries(final: Path) -> list[Path]:
     with contextlib.suppress(OSError):
         for p in final.parent.iterdir():
             m = _TMP_RE.match(p.name)
-            if m and m["name"] == final.name and int(m["pid"]) != os.getpid() and not _pid_alive(int(m["pid"])):
+            if m and m["name"] == final.name and int(m["pid"]) != os.getpid() and not pid_alive(int(m["pid"])):
                 with contextlib.suppress(OSError):
                     p.unlink()
                     removed.append(p)

@@ -123,13 +123,9 @@ class Deployment:
         pid = self.record.get("supervisor_pid")
         if not isinstance(pid, int) or pid <= 0:
             return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        from .host import pid_alive
+
+        return pid_alive(pid)
 
 
 def _settings(d: Any, side: str, path: str) -> EngineSettings:

@@ -41,3 +41,14 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> CpuFlags:
     except OSError:
         flags = []
     return CpuFlags(avx512_bf16="avx512_bf16" in flags, amx_tile="amx_tile" in flags)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (signal 0; EPERM means it exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
