@@ -176,7 +176,7 @@ def _conv_role(entry: TensorEntry, header: Header, geo: Geometry | None, hint: s
         if wrong and hint_from_metadata:
             other = DS if hint == SD else SD
             raise _err(entry, header, f"read as {hint}, as the file's {META_LAYOUT} metadata says, gives state_len "
-                       f"{length} > dim {dim}: the shape is that of an {other} conv state, and converting it as {hint} "
+                       f"{length} > dim {dim}: the shape is that of a conv state in {other} layout, and converting it as {hint} "
                        "would transpose it wrongly", f"pass --from {other} if the metadata is wrong, or --model so the "
                        "shape decides", "--from")
         note = (f"state_len {length} > dim {dim}: check --from" if length > dim else None)
