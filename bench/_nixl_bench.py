@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from hybridpd.nixl_agent import BenchContext, Peer, RankProcesses, check_devices, connect, pin, serve, ucx_report
-from hybridpd.nixl_wrap import Memory, Placement, Reader, import_nixl, make_agent, nx3, post_and_wait, set_env, wait
-from hybridpd.rehearsal import D_INIT
+from hybridpd.verify.nixl_agent import BenchContext, Peer, RankProcesses, check_devices, connect, pin, serve, ucx_report
+from hybridpd.verify.nixl_wrap import Memory, Placement, Reader, import_nixl, make_agent, nx3, post_and_wait, set_env, wait
+from hybridpd.verify.rehearsal import D_INIT
 
 WARM_S = 0.3
 

@@ -13,7 +13,7 @@ processes, the order rotating each repeat, with a sync and a pause before each r
 GPU section (``--device cuda``, or alone and in well under a minute with ``--gpu-only``): on one device, the
 same in-process data, CUDA events, warm-up, best of ``--gpu-reps``: a plain device-to-device copy of the
 same bytes (the ceiling), then SD->DS and DS->SD of a bf16 conv state (as int16, ``--gpu-len`` x
-``--gpu-dim``, ``--gpu-mib`` MiB) by the old torch strided copy and by ``hybridpd.gpu_transpose.channel_copy``
+``--gpu-dim``, ``--gpu-mib`` MiB) by the old torch strided copy and by ``hybridpd.convert.gpu_transpose.channel_copy``
 variants "flat" and "tile" (each checked against the torch copy first).  GB/s counts the tensor's bytes
 once; "of d2d" = copy time / this time.  The last line of stdout is a one-line JSON summary.
 
@@ -63,10 +63,10 @@ def make_input(path: Path, size: int) -> tuple[int, int, int]:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from hybridpd.convert_io import AtomicFile, Writer
-    from hybridpd.convert_plan import Geometry
-    from hybridpd.families import model_spec
-    from hybridpd.models import resolve
+    from hybridpd.convert.files import AtomicFile, Writer
+    from hybridpd.convert.plan import Geometry
+    from hybridpd.core.families import model_spec
+    from hybridpd.core.models import resolve
 
     spec = model_spec(resolve(MODEL))
     assert spec.mamba is not None
@@ -149,7 +149,7 @@ def gpu_bench(device: str, length: int, dim: int, nbytes: int, reps: int) -> dic
     sys.path.insert(0, str(REPO))
     from _cuda_timing import best_time  # beside this script
 
-    from hybridpd.gpu_transpose import VARIANTS, _torch_copy, channel_copy, triton_available
+    from hybridpd.convert.gpu_transpose import VARIANTS, _torch_copy, channel_copy, triton_available
 
     if torch.device(device).index is not None:
         torch.cuda.set_device(torch.device(device))  # the timing events record on the current device

@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 
-from hybridpd.descriptors import local_table, loop_local_table, strided_rows
-from hybridpd.plan import build_plan
-from hybridpd.profiles import PROFILES
-from hybridpd.settings import EngineSettings, parse_size
+from hybridpd.core.descriptors import local_table, loop_local_table, strided_rows
+from hybridpd.core.plan import build_plan
+from hybridpd.core.profiles import PROFILES
+from hybridpd.core.settings import EngineSettings, parse_size
 
 
 def main() -> None:

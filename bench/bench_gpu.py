@@ -8,7 +8,7 @@ Measures, in this order, and prints each bandwidth as a fraction of the ceiling:
 
 1. ceiling: a device-to-device copy (torch ``copy_``) on the D GPU, and with ``cuda:N,M`` the peer copy N -> M;
 2. calibration: bare NIXL READs (VRAM -> VRAM, two processes) of equal-size descriptors, 4 KiB .. 4 MiB,
-   fitted to ``t = n_desc * c + bytes / bw`` (``hybridpd.estimate.fit_calibration``); written as a
+   fitted to ``t = n_desc * c + bytes / bw`` (``hybridpd.core.estimate.fit_calibration``); written as a
    calibration file that ``hybridpd plan --calibration`` reads;
 3. rehearsals (``verify --rehearse --device ...``, bit-exact checks on): Nemotron-3-Nano 2->2, 1->4 (block
    2096, the recommended size) and Nemotron-3-Super 4->4 at an 8k-token request.  For each D rank, in
@@ -16,7 +16,7 @@ Measures, in this order, and prints each bandwidth as a fraction of the ceiling:
    source, post, wait), a bare ``initialize_xfer`` READ of the same descriptor list, and the what-if with
    descriptors contiguous on both sides coalesced (x|B|C|SSM of a DS page, homogeneous TP); plus plan's
    estimate from the calibration just fitted;
-4. conversion: ``hybridpd.gpu_transpose.channel_copy`` SD -> DS and DS -> SD (and a TP-4 channel slice)
+4. conversion: ``hybridpd.convert.gpu_transpose.channel_copy`` SD -> DS and DS -> SD (and a TP-4 channel slice)
    on a Nemotron-3-Super conv state, against a device copy of the same bytes.
 
 Everything lands in DIR/bench_gpu.json and DIR/calibration.json.  ``--regions 1,8`` repeats the sweep over
@@ -92,7 +92,7 @@ def calibrate(pl: Any, quick: bool, cmd: str, ceiling_Bps: float, regions: int
               ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from _nixl_bench import read_sweep
 
-    from hybridpd.estimate import fit_calibration
+    from hybridpd.core.estimate import fit_calibration
 
     sweep = read_sweep(pl, SIZES, total=(256 if quick else 1024) << 20, max_descs=4096, repeat=3 if quick else 7,
                        regions=regions)
@@ -141,11 +141,11 @@ def _nixl_version() -> str:
 def rehearse(pl: Any, case: tuple[Any, ...], repeat: int, entry: Any) -> dict[str, Any]:
     from _nixl_bench import variants
 
-    from hybridpd.estimate import estimate_request
-    from hybridpd.nixl_agent import run_nixl
-    from hybridpd.plan import build_plan
-    from hybridpd.rehearsal import make_setup
-    from hybridpd.settings import EngineSettings
+    from hybridpd.core.estimate import estimate_request
+    from hybridpd.core.plan import build_plan
+    from hybridpd.core.settings import EngineSettings
+    from hybridpd.verify.nixl_agent import run_nixl
+    from hybridpd.verify.rehearsal import make_setup
 
     label, model, ptp, dtp, block, isl = case
     plan = build_plan(model, prefill=EngineSettings(tp=ptp, block_size=block),
@@ -179,9 +179,9 @@ def rehearse(pl: Any, case: tuple[Any, ...], repeat: int, entry: Any) -> dict[st
 def conversion(pl: Any, nbytes: int, repeat: int) -> dict[str, Any]:
     import torch
 
-    from hybridpd.families import model_spec
-    from hybridpd.gpu_transpose import DS, SD, VARIANTS, channel_copy
-    from hybridpd.models import resolve
+    from hybridpd.convert.gpu_transpose import DS, SD, VARIANTS, channel_copy
+    from hybridpd.core.families import model_spec
+    from hybridpd.core.models import resolve
 
     dims = model_spec(resolve("super")).mamba
     assert dims is not None
@@ -221,8 +221,8 @@ def main() -> None:
                          "per layer-slot tensor, 6-8 for Nemotron-3); the last one listed is written as the calibration")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: ceiling,calibrate,rehearse,convert")
     a = ap.parse_args()
-    from hybridpd.estimate import parse_calibration
-    from hybridpd.nixl_agent import parse_device
+    from hybridpd.core.estimate import parse_calibration
+    from hybridpd.verify.nixl_agent import parse_device
 
     pl = parse_device(a.device)
     skip = set(filter(None, a.skip.split(",")))
@@ -259,7 +259,7 @@ def main() -> None:
                   f"bw = {entry_dict['bandwidth_gbps']} GB/s ({entry_dict['fit']})", flush=True)
         dump()
     if "rehearse" not in skip:
-        from hybridpd.estimate import load_calibration, select
+        from hybridpd.core.estimate import load_calibration, select
 
         if entry_dict is not None:
             entry = parse_calibration({"schema": "hybridpd-calibration/1", "entries": [entry_dict]}, source="bench")[0]

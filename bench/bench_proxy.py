@@ -4,7 +4,7 @@ Rows, measured in one run against the same fake backend process by the same load
 combination of concurrency (default 1, 16, 64) and streaming (SSE) or not:
 
   direct       client -> fake D, no P/D (the floor: one HTTP hop to D)
-  hybridpd     client -> hybridpd.proxy (aiohttp) -> fake P, then fake D
+  hybridpd     client -> hybridpd.launch.proxy (aiohttp) -> fake P, then fake D
   vllm-router  client -> vllm-router (Rust, PyPI ``vllm-router``, ``--vllm-pd-disaggregation``) -> fake P, then D
   toy          (``--with-toy``) vLLM's toy_proxy_server.py design (FastAPI + httpx + uvicorn), if importable
 
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from hybridpd.proxy.fakes import (  # noqa: E402
+from hybridpd.launch.proxy.fakes import (  # noqa: E402
     FakeDecode,
     FakePrefill,
     KVLedger,
@@ -89,7 +89,7 @@ async def _serve_one_fake(role: str) -> None:
 async def _health_detect(args: argparse.Namespace) -> int:
     """Seconds from SIGKILL (dead) or SIGSTOP (hung) of the fake D process until the proxy's /health says 503,
     polled every 20 ms like a supervisor would, with the proxy's default health settings."""
-    from hybridpd.proxy import ProxyConfig
+    from hybridpd.launch.proxy import ProxyConfig
 
     defaults = ProxyConfig(prefill_urls=("http://127.0.0.1:1",), decode_urls=("http://127.0.0.1:2",))
     results = []
@@ -132,7 +132,7 @@ async def _health_detect(args: argparse.Namespace) -> int:
 def _serve_hybridpd(prefill: str, decode: str, port: int) -> None:
     import logging
 
-    from hybridpd.proxy import ProxyConfig, run_proxy
+    from hybridpd.launch.proxy import ProxyConfig, run_proxy
 
     logging.basicConfig(level=logging.WARNING)
     run_proxy(ProxyConfig(prefill_urls=(prefill,), decode_urls=(decode,), port=port))
@@ -362,7 +362,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> bytes:
 
 def _router_exe(explicit: str | None) -> str | None:
     try:
-        from hybridpd.proxy.router import find_vllm_router
+        from hybridpd.launch.proxy.router import find_vllm_router
 
         return find_vllm_router(explicit)
     except Exception:
@@ -371,7 +371,7 @@ def _router_exe(explicit: str | None) -> str | None:
 
 
 def _spawn_router(exe: str, p_url: str, d_url: str, port: int) -> subprocess.Popen[bytes]:
-    from hybridpd.proxy.router import vllm_router_argv
+    from hybridpd.launch.proxy.router import vllm_router_argv
 
     argv = vllm_router_argv(exe, host="127.0.0.1", port=port, prefill_urls=[p_url], decode_urls=[d_url],
                             prometheus_port=unused_port(), log_level="error")

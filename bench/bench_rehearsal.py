@@ -36,13 +36,13 @@ from typing import Any
 import numpy as np
 from _nixl_bench import variants
 
-from hybridpd.nixl_agent import run_nixl
-from hybridpd.plan import build_plan
-from hybridpd.rehearsal import make_setup
-from hybridpd.settings import EngineSettings
+from hybridpd.core.plan import build_plan
+from hybridpd.core.settings import EngineSettings
+from hybridpd.verify.nixl_agent import run_nixl
+from hybridpd.verify.rehearsal import make_setup
 
 ORDER = ("rehearsal", "rehearsal_alt", "bare", "coalesced", "vm_readv", "memcpy")
-UCX_DEFAULT = "UCX_CMA_SEG_SIZE=512k"  # UCX's own cma segment; the rehearsal sets 64m (hybridpd.nixl_wrap)
+UCX_DEFAULT = "UCX_CMA_SEG_SIZE=512k"  # UCX's own cma segment; the rehearsal sets 64m (hybridpd.verify.nixl_wrap)
 
 
 def _env_of(spec: str) -> dict[str, str]:

@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 
 import click
 
-from hybridpd.profiles import versions_help
-from hybridpd.settings import KV_DTYPES, MAMBA_DTYPES, EngineSettings
+from hybridpd.core.profiles import versions_help
+from hybridpd.core.settings import KV_DTYPES, MAMBA_DTYPES, EngineSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -181,7 +181,7 @@ def engine_options(func: F) -> F:
 
 
 def _complete_versions(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
-    from hybridpd.profiles import PROFILES
+    from hybridpd.core.profiles import PROFILES
 
     return [p.name for p in PROFILES if p.name.startswith(incomplete)]
 
@@ -197,8 +197,8 @@ def _host_flag(given: bool | None, name: str) -> bool:
 
 def target_from(kw: dict[str, Any], *, installed: str | None = None, installed_source: str = "installed vLLM") -> Any:
     """The vLLM release a command targets: --vllm-version, else the installed vLLM, else the newest profile."""
+    from hybridpd.core.profiles import resolve_target
     from hybridpd.host import installed_vllm_version
-    from hybridpd.profiles import resolve_target
 
     if installed is None:
         installed = installed_vllm_version()

@@ -39,7 +39,7 @@ def model_items(incomplete: str) -> list[Any]:
     With no id matching, the shell's own file-name completion takes over (type 'file')."""
     from click.shell_completion import CompletionItem
 
-    from hybridpd.models import completion_candidates
+    from hybridpd.core.models import completion_candidates
 
     ids = [CompletionItem(c) for c in completion_candidates() if c.startswith(incomplete)]
     if not ids:
@@ -51,8 +51,8 @@ def link_items(ctx: click.Context, param: click.Parameter, incomplete: str) -> l
     """--link: entry names of the calibration table (--calibration FILE if already given, else the bundled one)."""
     from click.shell_completion import CompletionItem
 
+    from hybridpd.core.estimate import load_calibration
     from hybridpd.errors import HybridPDError
-    from hybridpd.estimate import load_calibration
 
     try:
         entries = load_calibration(ctx.params.get("calibration_path"))

@@ -91,9 +91,9 @@ def convert(input_path: str, output_path: str, to: str | None, from_layout: str 
       hybridpd convert --tp-merge shards/ full.safetensors --to SD
       hybridpd convert --check state.safetensors shards/ --json
     """
-    from hybridpd.convert import ConvertOptions
-    from hybridpd.convert import check as run_check
-    from hybridpd.convert import convert as run_convert
+    from hybridpd.convert.run import ConvertOptions
+    from hybridpd.convert.run import check as run_check
+    from hybridpd.convert.run import convert as run_convert
     from hybridpd.errors import VerificationFailed
 
     opts = ConvertOptions(to=to, model=model, num_spec=num_spec, pattern=pattern,

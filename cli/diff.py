@@ -145,7 +145,7 @@ def diff(model: str | None, a_opts: str, b_opts: str, vary: tuple[tuple[str, str
       hybridpd diff nano-fp8 --ptp 2 --dtp 4 --gpu-memory 141GB --b-recommended
       hybridpd diff --deployment ~/.local/state/hybridpd/deployment-all-8000.json --vllm-version 0.33
     """
-    from hybridpd.diff import diff_to_dict, diff_variants
+    from hybridpd.core.diff import diff_to_dict, diff_variants
 
     try:
         a_args, b_args = shlex.split(a_opts), shlex.split(b_opts)
@@ -196,15 +196,15 @@ class _Origin:
 
     def __init__(self, model: str | None, deployment_path: str | None, base: dict[str, Any],
                  isls: tuple[int, ...] | None) -> None:
+        from hybridpd.core.families import model_spec
+        from hybridpd.core.models import resolve
         from hybridpd.errors import UsageError
-        from hybridpd.families import model_spec
-        from hybridpd.models import resolve
 
         self.base, self.isls, self.deployment, self.label = base, isls, None, ""
         if deployment_path is not None:
             if model is not None:
                 raise click.UsageError("MODEL comes from --deployment FILE: drop MODEL, or drop --deployment")
-            from hybridpd.deployment import load
+            from hybridpd.launch.deployment import load
 
             try:
                 self.deployment = load(deployment_path)
@@ -216,10 +216,10 @@ class _Origin:
         self.spec = model_spec(resolve(model, allow_network=base["allow_network"]))
 
     def variant(self, over: dict[str, Any], label: str, which: str) -> Any:
-        from hybridpd.diff import Variant
+        from hybridpd.core.diff import Variant
+        from hybridpd.core.estimate import load_calibration, select
+        from hybridpd.core.plan import build_plan
         from hybridpd.errors import UsageError
-        from hybridpd.estimate import load_calibration, select
-        from hybridpd.plan import build_plan
 
         kw = {**self.base, **over}
         try:

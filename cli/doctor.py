@@ -25,7 +25,7 @@ def _ports(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 
 def serve_ports() -> tuple[int, ...]:
     """The ports `hybridpd serve` binds with its defaults (one P, one D): side channels, then HTTP."""
-    from hybridpd.launch import LaunchOptions
+    from hybridpd.launch.commands import LaunchOptions
 
     o = LaunchOptions()
     return (o.side_channel_port, o.side_channel_port + 1, o.prefill_port, o.decode_port, o.proxy_port)
@@ -65,12 +65,12 @@ def doctor(model: str | None, vllm_python: str | None, deployment_file: str | No
       hybridpd doctor --model nano-fp8 --probe
       hybridpd doctor --deployment ~/.local/state/hybridpd/deployment-all-8000.json --json
     """
-    from hybridpd.doctor import INFO, Check, blocking, probes_for_python, run_checks
+    from hybridpd.launch.doctor import INFO, Check, blocking, probes_for_python, run_checks
 
     extra: list[Check] = []
     check_ports = ports
     if deployment_file:
-        from hybridpd.deployment import load
+        from hybridpd.launch.deployment import load
 
         dep = load(deployment_file)
         model = model or dep.model

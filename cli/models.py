@@ -27,7 +27,7 @@ def models(supported_only: bool, as_json: bool, fmt: str | None) -> None:
       hybridpd models --json | jq '.[] | select(.pd_support["0.32"].supported) | .id'
       hybridpd models --fmt markdown
     """
-    from hybridpd.catalog import catalog, profile_names
+    from hybridpd.core.catalog import catalog, profile_names
 
     entries = [e.as_dict() for e in catalog()]
     if supported_only:

@@ -44,8 +44,8 @@ def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict
       hybridpd plan nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-FP8 --ptp 4 --dtp 4 \\
           --kv-cache-dtype fp8 --block-size 128 --vllm-version 0.20 --json
     """
-    from hybridpd.estimate import MEMORY_OF_PLATFORM, load_calibration, select
-    from hybridpd.plan import build_plan, plan_to_dict
+    from hybridpd.core.estimate import MEMORY_OF_PLATFORM, load_calibration, select
+    from hybridpd.core.plan import build_plan, plan_to_dict
 
     entries = load_calibration(calibration_path)
     entry = select(entries, link, platform=kw["platform"])
@@ -57,7 +57,7 @@ def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict
     if entry is None:
         data["calibration"] = None
     if plot_path:
-        from hybridpd.plotting import plot_transfer
+        from hybridpd.core.plotting import plot_transfer
 
         plot_transfer(result, plot_path)
     data["verdict"] = verdict_dict(data, fix_holds_for(result, p, d, kw, target))
@@ -154,8 +154,8 @@ def fix_holds_for(result: Any, p: Any, d: Any, kw: dict[str, Any], target: Any) 
     """
     from dataclasses import replace
 
+    from hybridpd.core.plan import build_plan
     from hybridpd.errors import HybridPDError
-    from hybridpd.plan import build_plan
 
     rec = result.recommended_block_size
     if not rec:

@@ -53,7 +53,7 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
               help="Python of the venv with vLLM (default: this one). Its distribution picks the entry point.")
 @click.option("--vllm-command", default=None,
               help="Command used like `vllm` (CMD serve MODEL ...), e.g. 'python vllm_cli.py'.")
-@click.option("--proxy-command", default=None, help="Proxy command (default: python -m hybridpd.proxy).")
+@click.option("--proxy-command", default=None, help="Proxy command (default: python -m hybridpd.launch.proxy).")
 @click.option("--router", type=click.Choice(["hybridpd", "vllm-router"]), default="hybridpd", show_default=True,
               help="What routes between P and D: hybridpd's proxy, or vllm-router (pip install vllm-router) with "
                    "the same P and D URLs.")
@@ -113,7 +113,7 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
 @click.option("--decode-timeout", type=click.FloatRange(0.1, 86400), default=None,
               help="Proxy: whole decode leg (proxy default 1800 s).")
 @click.option("--proxy-arg", "proxy_args", multiple=True,
-              help="Extra argument for the hybridpd proxy (python -m hybridpd.proxy --help), repeatable.")
+              help="Extra argument for the hybridpd proxy (python -m hybridpd.launch.proxy --help), repeatable.")
 @click.option("--nixl-progress-delay-us", type=click.IntRange(0, 1_000_000), default=None,
               help="Poll timeout of NIXL's progress thread in P and D (NIXL's Python wrapper sets 0: one idle core "
                    "spins per agent). Default: 1000 on cpu, 0 on cuda; 0 = leave NIXL alone.")
@@ -137,7 +137,7 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
       hybridpd serve ./tiny-llama --platform cpu --vllm-python /venvs/vllm/bin/python --check
       hybridpd serve nano --ptp 2 --dtp 2 --emit k8s --target llm-d -o pd.yaml
     """
-    from hybridpd.launch import (
+    from hybridpd.launch.commands import (
         LaunchOptions,
         build_launch_plan,
         check_ports,
@@ -191,7 +191,7 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
             hint(f"warning: [{f.code}] {f.message} (fix: {f.fix})")
 
     if kw["emit"] == "k8s":
-        from hybridpd.k8s import K8sOptions, build_manifests, to_yaml, write_output
+        from hybridpd.launch.k8s.manifests import K8sOptions, build_manifests, to_yaml, write_output
 
         m = build_manifests(lp, K8sOptions(
             target=kw["k8s_target"] or ("llm-d" if kw["llm_d"] else "plain"), name=kw["k8s_name"],
@@ -237,8 +237,8 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
         return
 
     check_ports(lp)
-    from hybridpd import deployment
-    from hybridpd.supervisor import Supervisor
+    from hybridpd.launch import deployment
+    from hybridpd.launch.supervisor import Supervisor
 
     from ._output import HealthProgressDisplay
 
@@ -277,7 +277,7 @@ def _platform(kw: dict[str, Any], entry: Any) -> str:
 
 def _proxy_has(flag: str) -> bool:
     try:
-        from hybridpd.proxy.__main__ import build_parser
+        from hybridpd.launch.proxy.__main__ import build_parser
     except ImportError:  # pragma: no cover - proxy dependencies missing
         return False
     return any(flag in a.option_strings for a in build_parser()._actions)

@@ -63,14 +63,14 @@ def verify(model: str | None, deployment_file: str | None, rehearse: bool, isl: 
       hybridpd verify --deployment ~/.local/state/hybridpd/deployment-all-8000.json
     Exit 1 on any mismatch, 2 on a refused combination.
     """
+    from hybridpd.core.plan import build_plan
     from hybridpd.errors import UsageError
-    from hybridpd.plan import build_plan
 
     if deployment_file:
         if rehearse:
             raise UsageError("--deployment checks a running deployment; it cannot be combined with --rehearse",
                              field="--deployment")
-        from hybridpd.deployment import load
+        from hybridpd.launch.deployment import load
 
         dep = load(deployment_file)
         if model is not None and model != dep.model and model != dep.served_model_name:
@@ -105,7 +105,7 @@ def verify(model: str | None, deployment_file: str | None, rehearse: bool, isl: 
         raise UsageError("choose a mode: --rehearse, or --decode URL for a live deployment", field="verify",
                          fix="add --rehearse")
     else:
-        from hybridpd import live
+        from hybridpd.verify import live
 
         if passive:
             data = live.run_passive(decode_url, plan, window)
@@ -160,8 +160,8 @@ def deployment_settings(kw: dict[str, Any], dep: Any) -> tuple[Any, Any]:
 def _rehearse(plan: Any, num_blocks: int | None, isl: int | None, seed: int, inject: str | None,
               inject_rank: int, transport: str, max_rank_bytes: int, device: str) -> dict[str, Any]:
     from hybridpd.errors import UsageError
-    from hybridpd.nixl_agent import check_devices, parse_device
-    from hybridpd.rehearsal import make_setup, run_in_memory, summarize
+    from hybridpd.verify.nixl_agent import check_devices, parse_device
+    from hybridpd.verify.rehearsal import make_setup, run_in_memory, summarize
 
     placement = parse_device(device)
     if placement.on_gpu and transport == "numpy":
@@ -176,7 +176,7 @@ def _rehearse(plan: Any, num_blocks: int | None, isl: int | None, seed: int, inj
     if transport == "numpy":
         per_rank = run_in_memory(setup)
     else:
-        from hybridpd.nixl_agent import run_nixl
+        from hybridpd.verify.nixl_agent import run_nixl
 
         per_rank = run_nixl(setup, device=placement)
     return summarize(setup, per_rank, transport, memory=placement.describe())

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, OutputError, UsageError
+from hybridpd.errors import ConfigError, OutputError, UsageError
 
 
 def _kind(mode: int) -> str:

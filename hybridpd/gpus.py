@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import ExternalToolError
+from hybridpd.errors import ExternalToolError
 
 
 def require_gpu(index: int, device: str) -> None:

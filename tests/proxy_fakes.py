@@ -1,4 +1,4 @@
-"""Test harness for the P/D proxy: fake P/D servers (``hybridpd.proxy.fakes``) + a proxy, on 127.0.0.1 ephemeral
+"""Test harness for the P/D proxy: fake P/D servers (``hybridpd.launch.proxy.fakes``) + a proxy, on 127.0.0.1 ephemeral
 ports, in one event loop. Tests are plain functions that call ``run(coro)``: no pytest asyncio plugin needed."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any, TypeVar
 import aiohttp
 from multidict import CIMultiDict
 
-from hybridpd.proxy import ProxyConfig, ProxyState, build_app, proxy_state
-from hybridpd.proxy.fakes import FakeDecode, FakePrefill, KVLedger, RunningServer, start_server
-from hybridpd.proxy.server import make_runner, make_site
+from hybridpd.launch.proxy import ProxyConfig, ProxyState, build_app, proxy_state
+from hybridpd.launch.proxy.fakes import FakeDecode, FakePrefill, KVLedger, RunningServer, start_server
+from hybridpd.launch.proxy.server import make_runner, make_site
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""hybridpd.convert on real safetensors files: layouts, TP split/merge, recognition, errors, safety."""
+"""hybridpd.convert.run on real safetensors files: layouts, TP split/merge, recognition, errors, safety."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from test_convert_support import (
     save,
 )
 
-from hybridpd.convert import ConvertOptions, check, convert
-from hybridpd.convert_io import AtomicFile, Writer, read_header
+from hybridpd.convert.files import AtomicFile, Writer, read_header
+from hybridpd.convert.run import ConvertOptions, check, convert
 from hybridpd.errors import ExternalToolError, HybridPDError, UsageError
 
 # TP1 conv dim of the tiny models: 256 x channels + 2 * n_groups * 16 (B, C); state_len 3.
@@ -142,7 +142,7 @@ def test_disk_full_is_a_clean_failure(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_disk_full_on_a_later_shard_says_which_shards_were_written(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from hybridpd.convert_io import Writer
+    from hybridpd.convert.files import Writer
 
     src = tmp_path / "a.safetensors"
     state_file(src, dim=GRANITE_DIM)

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_convert_support import DTYPES, conv_ds, data_sha, geo, load, rand, reference_shard, reference_ssm, same_bits, save
 
-from hybridpd.convert import ConvertOptions, check, convert
-from hybridpd.families import MambaDims
+from hybridpd.convert.run import ConvertOptions, check, convert
+from hybridpd.core.families import MambaDims
 
 # HYBRIDPD_CONVERT_EXAMPLES=500 for a deeper search than the default run's.
 SETTINGS = settings(max_examples=int(os.environ.get("HYBRIDPD_CONVERT_EXAMPLES", "30")), deadline=None,

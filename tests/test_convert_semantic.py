@@ -10,12 +10,12 @@ import pytest
 import torch
 from test_convert_support import GRANITE, geo, load, rand, save
 
-from hybridpd.convert import ConvertOptions, convert, geometry_for
-from hybridpd.convert_plan import Geometry
+from hybridpd.convert.plan import Geometry
+from hybridpd.convert.run import ConvertOptions, convert, geometry_for
 
 try:  # the plan's copy of vLLM's rule (MambaConvSplitInfo.remote_conv_offsets)
-    from hybridpd.transfer import remote_conv_offsets
-except ImportError:  # pragma: no cover - until hybridpd.transfer exists: the same rule, reference §3.6
+    from hybridpd.core.transfer import remote_conv_offsets
+except ImportError:  # pragma: no cover - until hybridpd.core.transfer exists: the same rule, reference §3.6
     def remote_conv_offsets(r: int, t: int, xb: int, bb: int) -> tuple[tuple[int, int], ...]:  # type: ignore[misc]
         return ((r * xb, xb), (t * xb + r * bb, bb), (t * xb + t * bb + r * bb, bb))
 

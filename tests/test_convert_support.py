@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hybridpd.convert_plan import Geometry
-from hybridpd.families import MambaDims
-from hybridpd.mamba import global_conv_channel_index, rank_channels
+from hybridpd.convert.plan import Geometry
+from hybridpd.core.families import MambaDims
+from hybridpd.core.mamba import global_conv_channel_index, rank_channels
 
 # Mamba2 dims of tests/conftest.py's tiny models: NemotronH (n_groups 2) and Granite (n_groups 1).
 NEMOH = MambaDims(num_heads=8, head_dim=32, n_groups=2, state_size=16, conv_kernel=4, intermediate_size=256)

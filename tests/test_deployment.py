@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hybridpd import deployment
+from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import UsageError
-from hybridpd.launch import LaunchOptions, build_launch_plan, entry_for
-from hybridpd.settings import EngineSettings
+from hybridpd.launch import deployment
+from hybridpd.launch.commands import LaunchOptions, build_launch_plan, entry_for
 
 
 def _lp(model: Path, **settings: object) -> object:
@@ -40,7 +40,7 @@ def test_round_trip_keeps_every_setting_the_plan_used(tiny_models: dict[str, Pat
 
 @pytest.mark.parametrize("text,needle", [
     ("[]", "not a hybridpd deployment record"),
-    ('{"schema": "hybridpd.deployment/1"}', "incomplete deployment record"),
+    ('{"schema": "hybridpd.launch.deployment/1"}', "incomplete deployment record"),
     ("{nope", "settings"),
 ])
 def test_bad_records_are_one_line_usage_errors(tmp_path: Path, text: str, needle: str) -> None:

@@ -31,10 +31,10 @@ from hybridpd_cli.main import cli
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from hybridpd.diff import Variant, diff_to_dict, diff_variants
+from hybridpd.core.diff import Variant, diff_to_dict, diff_variants
+from hybridpd.core.plan import build_plan
+from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import HybridPDError
-from hybridpd.plan import build_plan
-from hybridpd.settings import EngineSettings
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "diff"
 CAL = str(GOLDEN / "calibration.json")  # c = 10 µs per descriptor, bw = 1e9 B/s
@@ -115,7 +115,7 @@ def test_upgrade_024_to_032_descriptors_time_and_hash() -> None:
 
 
 def _has(version: str) -> bool:
-    from hybridpd.profiles import PROFILES, parse_version
+    from hybridpd.core.profiles import PROFILES, parse_version
 
     v = parse_version(version)
     return any(p.covers(v) for p in PROFILES)
@@ -406,16 +406,16 @@ def test_diff_imports_neither_torch_nor_vllm() -> None:
     assert cp.stdout.strip() == "[]"
 
 
-# ---- against a recorded deployment (`hybridpd serve` writes hybridpd.deployment/1) ---------------------------------
+# ---- against a recorded deployment (`hybridpd serve` writes hybridpd.launch.deployment/1) ---------------------------------
 
 
 def _record(tmp_path: Path, *, ptp: int, dtp: int, version: str) -> str:
     import dataclasses
 
-    pytest.importorskip("hybridpd.deployment")
+    pytest.importorskip("hybridpd.launch.deployment")
     sides = {role: dataclasses.asdict(EngineSettings(tp=tp, cpu_avx512_bf16=False, cpu_amx_tile=False))
              for role, tp in (("prefill", ptp), ("decode", dtp))}
-    rec = {"schema": "hybridpd.deployment/1", "state": "running", "model": "nano-fp8", "vllm_model": "nano-fp8",
+    rec = {"schema": "hybridpd.launch.deployment/1", "state": "running", "model": "nano-fp8", "vllm_model": "nano-fp8",
            "served_model_name": "nano-fp8", "vllm": {"version": version}, "platform": "cuda", "role": "all",
            "settings": sides, "urls": {"proxy": None, "prefill": [], "decode": []}, "side_channel": {"ports": {}}}
     path = tmp_path / "deployment.json"

@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 from hybridpd_cli.main import cli
 
-from hybridpd import doctor as D
-from hybridpd.doctor import FAIL, INFO, OK, WARN, Check, Probes, RunResult, blocking, run_checks
+from hybridpd.launch import doctor as D
+from hybridpd.launch.doctor import FAIL, INFO, OK, WARN, Check, Probes, RunResult, blocking, run_checks
 
 NO_GPU_TEXT = "plan, convert (CPU), verify --rehearse on DRAM and serve --platform cpu still work"
 
@@ -278,7 +278,7 @@ def named(checks: list[dict]) -> dict[str, dict]:  # type: ignore[type-arg]
 
 
 def _record(tmp_path: Path, *, supervisor_pid: int, state: str = "running") -> Path:
-    from hybridpd.deployment import SCHEMA
+    from hybridpd.launch.deployment import SCHEMA
 
     rec = {"schema": SCHEMA, "state": state, "supervisor_pid": supervisor_pid, "model": "llama-3.1-8b",
            "vllm_model": "meta-llama/Llama-3.1-8B-Instruct", "served_model_name": "meta-llama/Llama-3.1-8B-Instruct",

@@ -13,10 +13,10 @@ from click.testing import CliRunner
 from hybridpd_cli.main import cli, main
 from hybridpd_cli.plan import fmt_seconds
 
+from hybridpd.core.estimate import Calibration, estimate_request, fit_calibration, load_calibration, select
+from hybridpd.core.plan import build_plan, plan_to_dict
+from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import UsageError
-from hybridpd.estimate import Calibration, estimate_request, fit_calibration, load_calibration, select
-from hybridpd.plan import build_plan, plan_to_dict
-from hybridpd.settings import EngineSettings
 
 GiB = 1 << 30
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from hybridpd.core.estimate import Calibration, estimate_request, fit_engine_calibration, load_calibration, select
+from hybridpd.core.plan import build_plan
+from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import UsageError
-from hybridpd.estimate import Calibration, estimate_request, fit_engine_calibration, load_calibration, select
-from hybridpd.plan import build_plan
-from hybridpd.settings import EngineSettings
 
 GiB = 1 << 30
 

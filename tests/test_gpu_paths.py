@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hybridpd import ucx_info
+from hybridpd.core.plan import build_plan
+from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import UsageError
-from hybridpd.nixl_agent import Placement, parse_device
-from hybridpd.plan import build_plan
-from hybridpd.rehearsal import make_setup
-from hybridpd.settings import EngineSettings
+from hybridpd.verify import ucx_info
+from hybridpd.verify.nixl_agent import Placement, parse_device
+from hybridpd.verify.rehearsal import make_setup
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))  # the bench-only NIXL code lives there
 from _nixl_bench import coalesce, read_sweep, sweep_addrs, sweep_region_bytes, variants  # noqa: E402
@@ -105,7 +105,7 @@ def test_coalesce_keeps_every_byte_mapping() -> None:
 
 def test_coalesced_homogeneous_ds_page_is_one_descriptor_per_mamba_block() -> None:
     """Homogeneous TP, DS layout: x|B|C|SSM of a page are one range, so 4 Mamba descriptors become 1."""
-    from hybridpd.rehearsal import transfer_views
+    from hybridpd.verify.rehearsal import transfer_views
 
     plan = build_plan("nano", prefill=EngineSettings(tp=2), decode=EngineSettings(tp=2))
     s = make_setup(plan)
@@ -131,7 +131,7 @@ def _gpus() -> int:
 
 
 def _need_gpu(n: int = 1) -> None:
-    from hybridpd.nixl_agent import nixl_available
+    from hybridpd.verify.nixl_agent import nixl_available
 
     if _gpus() < n:
         pytest.skip(f"needs {n} CUDA device(s); torch sees {_gpus()}")
@@ -140,7 +140,7 @@ def _need_gpu(n: int = 1) -> None:
 
 
 def _vram(model: str, ptp: int, dtp: int, device: str = "cuda", block: int | None = None, **kw: Any) -> list[dict[str, Any]]:
-    from hybridpd.nixl_agent import run_nixl
+    from hybridpd.verify.nixl_agent import run_nixl
 
     plan = build_plan(model, prefill=EngineSettings(tp=ptp, block_size=block), decode=EngineSettings(tp=dtp, block_size=block))
     return run_nixl(make_setup(plan, **kw), device=parse_device(device))
@@ -183,7 +183,7 @@ def test_vram_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.integration
 def test_bench_mode_variants_on_dram() -> None:
     """The benchmark's bare and coalesced READs leave D byte-identical to the rehearsal's READ."""
-    from hybridpd.nixl_agent import nixl_available, run_nixl
+    from hybridpd.verify.nixl_agent import nixl_available, run_nixl
 
     if not nixl_available():
         pytest.skip("nixl not installed")
@@ -213,7 +213,7 @@ def test_sweep_addresses_round_robin_without_overlap() -> None:
 
 @pytest.mark.integration
 def test_read_sweep_on_dram() -> None:
-    from hybridpd.nixl_agent import nixl_available
+    from hybridpd.verify.nixl_agent import nixl_available
 
     if not nixl_available():
         pytest.skip("nixl not installed")

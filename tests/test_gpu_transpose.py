@@ -1,4 +1,4 @@
-"""channel_copy (hybridpd.gpu_transpose) against an independent numpy reference, three ways:
+"""channel_copy (hybridpd.convert.gpu_transpose) against an independent numpy reference, three ways:
 
 - the CPU fallback (torch strided copy): always runs;
 - the Triton kernels in Triton's interpreter on CPU tensors: needs triton importable.  TRITON_INTERPRET must be
@@ -24,9 +24,9 @@ import pytest
 import torch
 from test_convert_support import NEMOH, data_sha, geo, rand, save
 
-import hybridpd.gpu_transpose as gt
-from hybridpd.convert import ConvertOptions, convert
-from hybridpd.gpu_transpose import channel_copy
+import hybridpd.convert.gpu_transpose as gt
+from hybridpd.convert.gpu_transpose import channel_copy
+from hybridpd.convert.run import ConvertOptions, convert
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
@@ -95,7 +95,7 @@ def test_rejects_bad_arguments() -> None:
 
 
 def test_module_imports_nothing_heavy() -> None:
-    code = "import sys, hybridpd.gpu_transpose; print([m for m in ('torch', 'triton', 'numpy') if m in sys.modules])"
+    code = "import sys, hybridpd.convert.gpu_transpose; print([m for m in ('torch', 'triton', 'numpy') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -171,7 +171,7 @@ def test_mamba_errors_use_the_familys_own_keys(tmp_path: Path, cfg: dict[str, An
 
 
 def test_bundled_configs_still_load() -> None:
-    from hybridpd import families, models
+    from hybridpd.core import families, models
 
     for hf_id in models.bundled_ids():
         families.model_spec(models.load_bundled(hf_id))
@@ -395,10 +395,10 @@ _KEYED = [(name, key) for name, cfg in CONFIGS.items() for key in sorted(cfg)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(_KEYED), _json, st.sampled_from([(1, 1), (1, 2), (2, 1), (4, 4)]))
 def test_any_value_for_any_read_key_is_typed(target: tuple[str, str], value: Any, tps: tuple[int, int]) -> None:
-    from hybridpd.families import model_spec
-    from hybridpd.models import RawModel
-    from hybridpd.plan import build_plan
-    from hybridpd.settings import EngineSettings as E
+    from hybridpd.core.families import model_spec
+    from hybridpd.core.models import RawModel
+    from hybridpd.core.plan import build_plan
+    from hybridpd.core.settings import EngineSettings as E
 
     name, key = target
     cfg = {**CONFIGS[name], key: value}
@@ -443,7 +443,7 @@ def _header_cases() -> list[tuple[str, bytes]]:
 
 @pytest.mark.parametrize("name,header", _header_cases(), ids=[n for n, _ in _header_cases()])
 def test_hostile_safetensors_header_is_a_clean_error(tmp_path: Path, name: str, header: bytes) -> None:
-    from hybridpd.convert_io import read_header
+    from hybridpd.convert.files import read_header
 
     p = tmp_path / "x.safetensors"
     p.write_bytes(_safetensors(header))
@@ -457,7 +457,7 @@ def test_hostile_safetensors_header_is_a_clean_error(tmp_path: Path, name: str, 
 
 
 def test_safetensors_fifo_input_is_refused(tmp_path: Path) -> None:
-    from hybridpd.convert_io import read_header
+    from hybridpd.convert.files import read_header
 
     os.mkfifo(tmp_path / "x.safetensors")
     with pytest.raises(UsageError, match="not a regular file"):

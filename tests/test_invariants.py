@@ -11,12 +11,12 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridpd import families, layout, models, profiles
-from hybridpd.descriptors import local_table, request_desc_ids
+from hybridpd.core import families, layout, models, profiles
+from hybridpd.core.descriptors import local_table, request_desc_ids
+from hybridpd.core.models import RawModel
+from hybridpd.core.plan import build_plan
+from hybridpd.core.settings import EngineSettings as E
 from hybridpd.errors import HybridPDError
-from hybridpd.models import RawModel
-from hybridpd.plan import build_plan
-from hybridpd.settings import EngineSettings as E
 
 HYBRIDS = ["nano", "super", "nano-nvfp4", "granite-tiny", "granite-micro", "granite-small", "nemotron-h-8b",
            "nano-9b-v2", "falcon-h1-0.5b", "falcon-h1-34b", "zamba2-2.7b", "nemotron-h-56b"]

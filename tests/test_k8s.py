@@ -23,10 +23,10 @@ import yaml
 from click.testing import CliRunner
 from hybridpd_cli.main import cli
 
+from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import UsageError
-from hybridpd.k8s import K8sOptions, ManifestRefused, build_manifests, to_yaml
-from hybridpd.launch import LaunchOptions, LaunchPlan, build_launch_plan, command_entry, entry_for
-from hybridpd.settings import EngineSettings
+from hybridpd.launch.commands import LaunchOptions, LaunchPlan, build_launch_plan, command_entry, entry_for
+from hybridpd.launch.k8s.manifests import K8sOptions, ManifestRefused, build_manifests, to_yaml
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "k8s"
 ACCEPTANCE = ["serve", "nano", "--ptp", "2", "--dtp", "2", "--vllm-version", "0.32.0", "--emit", "k8s"]
@@ -262,9 +262,9 @@ def test_plain_proxy_has_hybridpd_and_reaches_services() -> None:
     docs = docs_of("plain")
     px = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "hybridpd-proxy")
     c = px["spec"]["template"]["spec"]["containers"][0]
-    assert c["image"] == "hybridpd:0.1.0" and c["command"] == ["python", "-m", "hybridpd.proxy"]
+    assert c["image"] == "hybridpd:0.1.0" and c["command"] == ["python", "-m", "hybridpd.launch.proxy"]
     dockerfile = (Path(__file__).resolve().parents[1] / "Dockerfile").read_text()
-    assert "pip install" in dockerfile and "hybridpd.proxy" in dockerfile  # the image the name refers to
+    assert "pip install" in dockerfile and "hybridpd.launch.proxy" in dockerfile  # the image the name refers to
     svcs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     for role in ("prefill", "decode"):
         url = c["args"][c["args"].index(f"--{role}") + 1]

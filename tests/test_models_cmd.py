@@ -8,8 +8,8 @@ import time
 from click.testing import CliRunner
 from hybridpd_cli.main import cli
 
-from hybridpd.catalog import catalog, profile_names
-from hybridpd.models import ALIASES, bundled_ids
+from hybridpd.core.catalog import catalog, profile_names
+from hybridpd.core.models import ALIASES, bundled_ids
 
 KEYS = ["id", "aliases", "family", "architecture", "mamba_layers", "attention_layers", "mamba_type", "n_groups",
         "pd_support", "hetero_tp"]

@@ -100,7 +100,7 @@ def test_plan_does_not_import_heavy_modules() -> None:
 def test_help_does_not_import_library_layout() -> None:
     code = ("import sys; from hybridpd_cli.main import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print('LOADED', [m for m in ('hybridpd.layout','torch','rich') if m in sys.modules])")
+            "print('LOADED', [m for m in ('hybridpd.core.layout','torch','rich') if m in sys.modules])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "LOADED []" in r.stdout, r.stdout[-300:]
 

@@ -8,10 +8,10 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
+from hybridpd.core.plan import build_plan  # noqa: E402
+from hybridpd.core.plotting import plot_transfer  # noqa: E402
+from hybridpd.core.settings import EngineSettings as E  # noqa: E402
 from hybridpd.errors import UsageError  # noqa: E402
-from hybridpd.plan import build_plan  # noqa: E402
-from hybridpd.plotting import plot_transfer  # noqa: E402
-from hybridpd.settings import EngineSettings as E  # noqa: E402
 
 
 @pytest.fixture(scope="module")

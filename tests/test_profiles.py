@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from hybridpd.descriptors import local_table, strided_rows
+from hybridpd.core.descriptors import local_table, strided_rows
+from hybridpd.core.plan import build_plan
+from hybridpd.core.profiles import PROFILES, resolve_target
+from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import UnsupportedVersion
-from hybridpd.plan import build_plan
-from hybridpd.profiles import PROFILES, resolve_target
-from hybridpd.settings import EngineSettings
 
 # nixl/metadata.py NIXL_CONNECTOR_VERSION (reference §1 table for 0.24-0.33; vllm-hybrid-pd.md §8 for 0.20-0.22)
 CONNECTOR = {"0.20.2": 2, "0.21.0": 3, "0.22.0": 4, "0.22.1": 4, "0.23.0": 4, "0.24.0": 4, "0.25.1": 4, "0.26.0": 5,
@@ -143,7 +143,7 @@ def test_0_33_registers_strided_rows() -> None:
 
 
 def plan_json_desc(plan: object) -> dict[str, object]:
-    from hybridpd.plan import plan_to_dict
+    from hybridpd.core.plan import plan_to_dict
 
     return plan_to_dict(plan)["prefill"]["descriptors"]  # type: ignore[arg-type,no-any-return]
 

@@ -17,8 +17,8 @@ import pytest
 from aiohttp import web
 from proxy_fakes import Harness, eventually, harness, parse_sse, run, stream_text
 
-from hybridpd.proxy import ProxyConfig, build_app, proxy_state
-from hybridpd.proxy.fakes import FakeDecode, FakePrefill, KVLedger, expected_text, start_server, token_text, unused_port
+from hybridpd.launch.proxy import ProxyConfig, build_app, proxy_state
+from hybridpd.launch.proxy.fakes import FakeDecode, FakePrefill, KVLedger, expected_text, start_server, token_text, unused_port
 
 PROMPT = "The capital of France is"
 COMPLETION: dict[str, Any] = {"model": "fake-model", "prompt": PROMPT, "max_tokens": 5, "temperature": 0}
@@ -666,7 +666,7 @@ def test_run_proxy_serves_and_stops_cleanly_on_sigterm() -> None:
         ps, ds = await start_server(p.make_app()), await start_server(d.make_app())
         port = unused_port()
         code = (
-            "from hybridpd.proxy import ProxyConfig, run_proxy; "
+            "from hybridpd.launch.proxy import ProxyConfig, run_proxy; "
             f"run_proxy(ProxyConfig(prefill_urls=({ps.url!r},), decode_urls=({ds.url!r},), port={port})); "
             "print('clean exit')"
         )
@@ -711,7 +711,7 @@ def test_sigterm_with_a_stream_in_flight_ends_it_with_an_error_event_within_the_
         ps, ds = await start_server(p.make_app()), await start_server(d.make_app())
         port = unused_port()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "hybridpd.proxy", "--prefill", ps.url, "--decode", ds.url, "--port", str(port),
+            sys.executable, "-m", "hybridpd.launch.proxy", "--prefill", ps.url, "--decode", ds.url, "--port", str(port),
             "--shutdown-grace", "0.5", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         )

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from proxy_fakes import Harness, eventually, harness, parse_sse, run
 
-from hybridpd.proxy import (
+from hybridpd.launch.proxy import (
     ProxyError,
     SSEFramer,
     decode_request,
@@ -28,10 +28,10 @@ from hybridpd.proxy import (
     prefill_request,
     validate_client_request,
 )
-from hybridpd.proxy.__main__ import build_parser, config_from_args
-from hybridpd.proxy.fakes import FakeDecode, FakePrefill, KVLedger, start_server, unused_port
-from hybridpd.proxy.guard import GUARD_SUPPORTED
-from hybridpd.proxy.protocol import SSEError
+from hybridpd.launch.proxy.__main__ import build_parser, config_from_args
+from hybridpd.launch.proxy.fakes import FakeDecode, FakePrefill, KVLedger, start_server, unused_port
+from hybridpd.launch.proxy.guard import GUARD_SUPPORTED
+from hybridpd.launch.proxy.protocol import SSEError
 
 COMPLETION: dict[str, Any] = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 5}
 
@@ -98,7 +98,7 @@ def test_malformed_client_input_is_400_without_a_traceback(
                                          {"Content-Encoding": "gzip"})
             assert status == 200, raw
 
-    with caplog.at_level(logging.ERROR, logger="hybridpd.proxy"):
+    with caplog.at_level(logging.ERROR, logger="hybridpd.launch.proxy"):
         run(go())
     assert not [r for r in caplog.records if r.exc_info], "a client input logged a traceback"
 
@@ -397,7 +397,7 @@ def test_expired_kv_lease_on_prefill_is_a_metric_and_a_warning(caplog: pytest.Lo
                                               headers={"X-Request-Id": "client-7"})
             assert status == 200
             h.p.kv_expired, h.p.reads_after_expiry = 1, 2  # as vLLM's counters after one late read by 2 D ranks
-            with caplog.at_level(logging.WARNING, logger="hybridpd.proxy"):
+            with caplog.at_level(logging.WARNING, logger="hybridpd.launch.proxy"):
                 await h.state.probe_all()
             url = h.state.prefill.backends[0].url
             get = h.state.metrics.registry.get_sample_value
@@ -422,7 +422,7 @@ def test_idle_flood_past_the_open_file_limit_does_not_lock_out_clients(tmp_path:
         ps, ds = await start_server(FakePrefill(ledger).make_app()), await start_server(FakeDecode(ledger).make_app())
         port = unused_port()
         code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
-                "from hybridpd.proxy.__main__ import main; sys.exit(main(sys.argv[1:]))")
+                "from hybridpd.launch.proxy.__main__ import main; sys.exit(main(sys.argv[1:]))")
         log = open(tmp_path / "proxy.log", "wb")
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", code, "--prefill", ps.url, "--decode", ds.url, "--port", str(port),

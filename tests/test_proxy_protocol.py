@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridpd.errors import UsageError
-from hybridpd.proxy import (
+from hybridpd.launch.proxy import (
     PREFILL_KV_TRANSFER_PARAMS,
     REQUIRED_KV_KEYS,
     BackendPool,
@@ -355,15 +355,15 @@ def test_config_rejects_bad_values_naming_the_field(kw: dict[str, Any], field: s
     assert ei.value.field == field and isinstance(ei.value, UsageError)
 
 
-# ----------------------------------------------------------------------------- python -m hybridpd.proxy
+# ----------------------------------------------------------------------------- python -m hybridpd.launch.proxy
 
 
 def test_cli_accepts_the_launchers_flags_and_reads_keys_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hybridpd.proxy.__main__ import main, parse_args
+    from hybridpd.launch.proxy.__main__ import main, parse_args
 
     monkeypatch.setenv("HYBRIDPD_PROXY_API_KEY", "k1")
     monkeypatch.delenv("HYBRIDPD_PROXY_BACKEND_API_KEY", raising=False)
-    # the argv hybridpd.launch.proxy_argv builds
+    # the argv hybridpd.launch.commands.proxy_argv builds
     cfg = parse_args(["--host", "127.0.0.1", "--port", "8000", "--policy", "least_outstanding",
                       "--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200",
                       "--decode", "http://127.0.0.1:8201/", "--prefill-timeout", "30"])

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import UsageError
-from hybridpd.launch import LaunchOptions, build_launch_plan, entry_for
-from hybridpd.proxy.router import find_vllm_router, vllm_router_argv
-from hybridpd.settings import EngineSettings
+from hybridpd.launch.commands import LaunchOptions, build_launch_plan, entry_for
+from hybridpd.launch.proxy.router import find_vllm_router, vllm_router_argv
 
 CUDA_ENTRY = entry_for("/venv/bin/python", "vllm", "0.32.0")
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from hybridpd import families, layout, models, profiles
-from hybridpd.plan import build_plan
-from hybridpd.settings import EngineSettings as E
-from hybridpd.transfer import remote_conv_offsets
+from hybridpd.core import families, layout, models, profiles
+from hybridpd.core.plan import build_plan
+from hybridpd.core.settings import EngineSettings as E
+from hybridpd.core.transfer import remote_conv_offsets
 
 CUDA = profiles.platform_for("cuda")
 P020 = profiles.profile_for("0.20")

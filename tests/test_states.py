@@ -12,13 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridpd import families, models
-from hybridpd.descriptors import local_table, request_desc_ids
+from hybridpd.core import families, models
+from hybridpd.core.descriptors import local_table, request_desc_ids
+from hybridpd.core.mamba import GdnRankState, Mamba1RankState
+from hybridpd.core.plan import build_plan, plan_to_dict
+from hybridpd.core.semantics import check_conv
+from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import UsageError
-from hybridpd.mamba import GdnRankState, Mamba1RankState
-from hybridpd.plan import build_plan, plan_to_dict
-from hybridpd.semantics import check_conv
-from hybridpd.settings import EngineSettings
 
 
 def _plan(model: str, version: str, ptp: int = 1, dtp: int = 1, isls: tuple[int, ...] | None = None,
@@ -234,7 +234,7 @@ def test_plan_json_names_the_sub_projections() -> None:
 @pytest.mark.parametrize("model,ptp,dtp", [("jamba", 1, 2), ("jamba", 4, 2), ("qwen3-next", 1, 2),
                                            ("qwen3-next", 2, 1)])
 def test_rehearsal_moves_exactly_the_ground_truth(model: str, ptp: int, dtp: int) -> None:
-    from hybridpd.rehearsal import make_setup, run_in_memory
+    from hybridpd.verify.rehearsal import make_setup, run_in_memory
 
     plan = _plan(model, "0.32", ptp, dtp)
     res = run_in_memory(make_setup(plan, max_rank_bytes=8 << 20))
@@ -249,7 +249,7 @@ def test_rehearsal_moves_exactly_the_ground_truth(model: str, ptp: int, dtp: int
 @pytest.mark.parametrize("model", ["jamba", "qwen3-next"])
 @pytest.mark.parametrize("inject", ["offset", "length"])
 def test_rehearsal_catches_an_injected_fault(model: str, inject: str) -> None:
-    from hybridpd.rehearsal import make_setup, run_in_memory
+    from hybridpd.verify.rehearsal import make_setup, run_in_memory
 
     res = run_in_memory(make_setup(_plan(model, "0.32", 1, 2), inject=inject, max_rank_bytes=8 << 20))
     assert [r["ok"] for r in res] == [False, True]
@@ -261,8 +261,8 @@ def test_rehearsal_catches_an_injected_fault(model: str, inject: str) -> None:
 @pytest.mark.parametrize("model,ptp,dtp", [("jamba", 1, 2), ("qwen3-next", 2, 1)])
 def test_nixl_rehearsal_moves_the_planned_bytes(model: str, ptp: int, dtp: int) -> None:
     """Real NIXL agents (one process per rank): NIXL's own telemetry counts the plan's bytes and descriptors."""
-    from hybridpd.nixl_agent import nixl_available, run_nixl
-    from hybridpd.rehearsal import make_setup
+    from hybridpd.verify.nixl_agent import nixl_available, run_nixl
+    from hybridpd.verify.rehearsal import make_setup
 
     if not nixl_available():
         pytest.skip("nixl not installed")

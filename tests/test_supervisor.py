@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from procs import alive, free_port_run, free_ports
 
-from hybridpd.launch import LaunchOptions, LaunchPlan, build_launch_plan, command_entry
-from hybridpd.settings import EngineSettings
-from hybridpd.supervisor import Supervisor
+from hybridpd.core.settings import EngineSettings
+from hybridpd.launch.commands import LaunchOptions, LaunchPlan, build_launch_plan, command_entry
+from hybridpd.launch.supervisor import Supervisor
 
 FAKE = r'''
 import os, subprocess, sys, time
@@ -230,7 +230,7 @@ def _start_cli(model: Path, fake: Path, tmp_path: Path, *extra: str, vllm_args: 
 
 def _bound(port: int) -> bool:
     """Bound the way `serve`'s own port check sees it (SO_REUSEADDR: TIME_WAIT leftovers do not count)."""
-    from hybridpd.launch import port_in_use
+    from hybridpd.launch.commands import port_in_use
 
     return port_in_use("127.0.0.1", port)
 
@@ -356,7 +356,7 @@ def test_sigstopped_child_is_dead(tiny_models: dict[str, Path], fake: Path,
 
 
 def _kids(pid: int) -> list[int]:
-    from hybridpd.keeper import descendants
+    from hybridpd.launch.keeper import descendants
 
     return descendants(pid)
 
@@ -377,8 +377,8 @@ def test_orphans_of_a_killed_keeper_are_swept(tiny_models: dict[str, Path], fake
 
 _ORPHAN_SCRIPT = r"""
 import io, json, os, signal, sys, time
-from hybridpd.supervisor import Supervisor
-from hybridpd.launch import LaunchPlan, ProcessSpec, VllmEntry
+from hybridpd.launch.supervisor import Supervisor
+from hybridpd.launch.commands import LaunchPlan, ProcessSpec, VllmEntry
 d = json.loads(sys.argv[1])
 procs = tuple(ProcessSpec(name=p["name"], role=p["role"], argv=tuple(p["argv"]), env=tuple(p["env"].items()),
                           host=p["host"], port=p["port"], health_url=p["health_url"]) for p in d["processes"])
@@ -387,7 +387,7 @@ lp = LaunchPlan(model=d["model"], role=d["role"], platform=d["platform"], vllm_p
 out = os.fdopen(int(sys.argv[2]), "w")
 res = {}
 def ready(sup):
-    from hybridpd.keeper import descendants
+    from hybridpd.launch.keeper import descendants
     c = sup.children[0]
     (server,) = descendants(c.pid)
     res["server"] = server
@@ -408,7 +408,7 @@ out.flush()
 def test_kv_lease_warning_reaches_the_operator(tiny_models: dict[str, Path], fake: Path,
                                                monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    line = ("WARNING hybridpd.proxy: KV lease expired on prefill backend http://127.0.0.1:1: 1 expired. Decode may "
+    line = ("WARNING hybridpd.launch.proxy: KV lease expired on prefill backend http://127.0.0.1:1: 1 expired. Decode may "
             "have read KV blocks P had already freed")
     monkeypatch.setenv("FAKE_PROXY_SAY", line)
     lp = make_plan(tiny_models["llama"], fake)

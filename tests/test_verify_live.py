@@ -13,9 +13,9 @@ import pytest
 from aiohttp import web
 from test_metrics import text  # tests/ is on sys.path (rootdir conftest)
 
-from hybridpd import live, metrics
-from hybridpd.plan import build_plan
-from hybridpd.settings import EngineSettings
+from hybridpd.core.plan import build_plan
+from hybridpd.core.settings import EngineSettings
+from hybridpd.verify import live, metrics
 
 
 class FakePD:

@@ -32,9 +32,9 @@ pytestmark = pytest.mark.vllm
 import torch  # noqa: E402
 from vllm_installed import installed_vllm  # noqa: E402
 
-from hybridpd import families, layout, models, profiles  # noqa: E402
-from hybridpd.settings import EngineSettings  # noqa: E402
-from hybridpd.transfer import prefill_backoff, remote_conv_offsets  # noqa: E402
+from hybridpd.core import families, layout, models, profiles  # noqa: E402
+from hybridpd.core.settings import EngineSettings  # noqa: E402
+from hybridpd.core.transfer import prefill_backoff, remote_conv_offsets  # noqa: E402
 
 VERSION = installed_vllm()
 V = profiles.parse_version(VERSION)

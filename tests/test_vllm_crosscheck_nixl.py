@@ -25,7 +25,7 @@ pytestmark = pytest.mark.vllm
 import numpy as np  # noqa: E402
 from test_vllm_crosscheck import COMBOS, PROFILE, _attn_spec, _group_fn, _mamba_spec, _side  # noqa: E402
 
-from hybridpd.descriptors import local_table, request_desc_ids  # noqa: E402
+from hybridpd.core.descriptors import local_table, request_desc_ids  # noqa: E402
 
 NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 

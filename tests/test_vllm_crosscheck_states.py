@@ -28,10 +28,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from vllm_installed import installed_vllm  # noqa: E402
 
-from hybridpd import families, layout, models, profiles  # noqa: E402
-from hybridpd.descriptors import local_table, remote_table, strided_rows  # noqa: E402
-from hybridpd.settings import EngineSettings  # noqa: E402
-from hybridpd.transfer import routes, tp_ratio  # noqa: E402
+from hybridpd.core import families, layout, models, profiles  # noqa: E402
+from hybridpd.core.descriptors import local_table, remote_table, strided_rows  # noqa: E402
+from hybridpd.core.settings import EngineSettings  # noqa: E402
+from hybridpd.core.transfer import routes, tp_ratio  # noqa: E402
 
 TARGET = profiles.resolve_target(None, installed=installed_vllm())
 PROFILE = TARGET.profile
@@ -392,6 +392,6 @@ def test_request_desc_ids_match_the_worker(name: str) -> None:
     blocks = [list(range(3, 8)) if g.kind == "attention" else [n_log - 1 - g.index] for g in s.groups]
     theirs = fn(fake, blocks, n_log, None, 1)
     table = local_table(s, [(i + 1) << 32 for i in range(s.num_shared_tensors)], n_log)
-    from hybridpd.descriptors import request_desc_ids
+    from hybridpd.core.descriptors import request_desc_ids
 
     assert np.array_equal(np.sort(theirs), np.sort(request_desc_ids(s, table, blocks)))

@@ -5,7 +5,7 @@
 Each RUN_DIR holds ``plan.json`` (`hybridpd plan ... --isl L1,L2,.. --json`, same settings as the servers) and
 ``sweep.json`` (bench/gpu_vllm/sweep.py). Per length: the plan's bytes/descriptors against every measured request
 (they must be equal), vLLM's reported transfer time (median, min, max of ``vllm:nixl_xfer_time_seconds``) and post
-time. ``--fit`` fits ``reads*t0 + n_desc*c + bytes/bw`` (hybridpd.estimate.fit_engine_calibration) to the medians
+time. ``--fit`` fits ``reads*t0 + n_desc*c + bytes/bw`` (hybridpd.core.estimate.fit_engine_calibration) to the medians
 of all runs given and reports, per length, the in-sample ratio and the leave-one-length-out ratio (fitted without
 that length). ``--figure``: bytes per request vs input length, naive (padded pages) vs plan vs measured, every
 length of every RUN_DIR given. The expected values are the plan's; nothing here is compared with itself.
@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from hybridpd.estimate import fit_engine_calibration
+from hybridpd.core.estimate import fit_engine_calibration
 
 
 def load(run: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -4,7 +4,7 @@
       [--model NAME] [--warmup 1000]
 
 One request at a time, exactly as `hybridpd verify --prefill` sends it (P with do_remote_decode, then D with
-P's kv_transfer_params; prompt = hybridpd.live.prompt_ids(isl)); D's /metrics is read before and after and the
+P's kv_transfer_params; prompt = hybridpd.verify.live.prompt_ids(isl)); D's /metrics is read before and after and the
 deltas kept per request: NIXL bytes, descriptors, transfers, failures, and vLLM's own
 ``vllm:nixl_xfer_time_seconds`` / ``vllm:nixl_post_time_seconds`` sums. No expectations here: the plan is compared
 afterwards (bench/gpu_vllm/analyze.py). Stdlib + hybridpd (+ prometheus_client for the metrics parser).
@@ -18,7 +18,7 @@ import os
 import tempfile
 import time
 
-from hybridpd import live, metrics
+from hybridpd.verify import live, metrics
 
 KEYS = {"bytes": "vllm:nixl_bytes_transferred_sum", "transfers": "vllm:nixl_bytes_transferred_count",
         "descriptors": "vllm:nixl_num_descriptors_sum", "xfer_s": "vllm:nixl_xfer_time_seconds_sum",

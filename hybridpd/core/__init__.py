@@ -1,0 +1,1 @@
+"""The pipeline every command reads: model -> release -> layout -> transfer plan -> findings (pure)."""

@@ -1,0 +1,1 @@
+"""Kubernetes and llm-d manifests for a P/D pair."""

@@ -1,0 +1,176 @@
+"""`verify --decode URL`: probe a running P/D deployment and diff D's NIXL counters against the plan.
+
+One probe at a time: snapshot D's /metrics, send a prompt of exactly ``isl`` tokens (through the proxy,
+or P with ``do_remote_decode`` then D with P's ``kv_transfer_params`` unchanged), snapshot again, diff.
+vLLM pools the NIXL metrics across D's TP ranks, so the deltas are compared with the plan's total.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from typing import Any
+
+from hybridpd.core.findings import ERROR
+from hybridpd.verify import metrics
+
+
+def prompt_ids(n: int) -> list[int]:
+    return [100 + i % 500 for i in range(n)]
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    req = urllib.request.Request(url.rstrip("/") + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    raw = metrics.fetch(req, timeout)
+    try:
+        return dict(json.loads(raw.decode()))
+    except (ValueError, TypeError):
+        from hybridpd.errors import ExternalToolError
+
+        raise ExternalToolError(f"{req.full_url} did not answer a JSON completion: {raw[:80]!r}",
+                                fix="point --decode/--prefill/--proxy at vLLM's (or hybridpd's proxy's) HTTP port") from None
+
+
+def send_probe(decode_url: str, other_url: str, model_name: str, isl: int, *, proxy: bool = False,
+               token_ids: bool = True, timeout: float = 120.0) -> dict[str, Any]:
+    prompt: Any = prompt_ids(isl) if token_ids else "a" * isl
+    if proxy:
+        return {"proxy": _post(other_url, {"model": model_name, "prompt": prompt, "max_tokens": 1}, timeout)}
+    p_body = {"model": model_name, "prompt": prompt, "max_tokens": 1,
+              "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                     "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+    p_resp = _post(other_url, p_body, timeout)
+    params = p_resp.get("kv_transfer_params")
+    if params is None:
+        raise RuntimeError("prefill returned no kv_transfer_params: is it running with NixlConnector?")
+    d_resp = _post(decode_url, {"model": model_name, "prompt": prompt, "max_tokens": 1,
+                                "kv_transfer_params": params}, timeout)
+    return {"prefill": p_resp, "decode": d_resp}
+
+
+def _plan_errors(plan: Any) -> list[str]:
+    return [f"{f.code}: {f.message}" for f in plan.findings if f.severity == ERROR]
+
+
+def run_probe(decode_url: str, other_url: str, plan: Any, isl: int, model_name: str, *, proxy: bool = False,
+              token_ids: bool = True, settle_s: float = 0.5) -> dict[str, Any]:
+    """One probe of ``isl`` tokens; returns the comparison of D's metric deltas with plan.transfer_for(isl)."""
+    before = metrics.snapshot(decode_url)
+    send_probe(decode_url, other_url, model_name, isl, proxy=proxy, token_ids=token_ids)
+    after = metrics.snapshot(decode_url)
+    t0 = time.monotonic()
+    while after.get("vllm:nixl_bytes_transferred_count", 0) == before.get("vllm:nixl_bytes_transferred_count", 0) \
+            and time.monotonic() - t0 < settle_s:
+        time.sleep(0.05)
+        after = metrics.snapshot(decode_url)
+    errs = _plan_errors(plan)
+    res = metrics.compare(metrics.delta(before, after), metrics.expected_for(plan, isl), plan_ok=not errs,
+                          plan_errors=errs)
+    res["isl"] = isl
+    res["tokens_transferred"] = plan.transfer_for(isl).tokens_transferred
+    return res
+
+
+def _padded(tokens: int, block: int) -> int:
+    return -(-tokens // block) * block
+
+
+def confusable_block_sizes(block: int) -> list[int]:
+    """Block sizes a deployment might run instead of the planned one: every multiple of 16 up to 4x the planned
+    size, plus half and double (vLLM's kernels take multiples of 16; hybrid alignment can give any of them)."""
+    out = set(range(16, 4 * block + 1, 16)) | {block // 2, 2 * block}
+    return sorted(x for x in out if x >= 1 and x != block)
+
+
+def choose_isls(plan: Any, *, max_probes: int = 3) -> tuple[list[int], list[int]]:
+    """Probe lengths such that a wrong block size changes the moved bytes of at least one probe.
+
+    A probe of ``n`` tokens moves the KV of ``t`` tokens (``t = n`` or ``n - 1``, from the plan) padded to whole
+    blocks; with block ``b`` that is ``ceil(t/b)*b`` tokens' worth. Candidate lengths sit at block boundaries of
+    the planned size (``t = k*b`` and ``k*b + 1``); a greedy cover picks the fewest (up to ``max_probes``) that
+    tell the planned size from every confusable one. A wrong dtype or TP changes the bytes per token (or the
+    READs per request) at every length, so any probe catches those. Returns (lengths, block sizes no chosen
+    probe can tell apart from the planned one).
+    """
+    b = plan.prefill.block_size
+    if plan.routes is None:
+        return [b + b // 2], []
+    cap = (plan.prefill.settings.max_model_len or plan.model.max_position_embeddings or 1 << 30) - 8
+    off = max(0, (b + 2) - plan.transfer_for(b + 2).tokens_transferred)  # P's backoff (hybrid: 1 token)
+    cands: dict[int, int] = {}
+    for k in range(1, 9):
+        for t in (k * b, k * b + 1, b // 2 + 1):
+            n = t + off
+            if 2 <= n <= cap:
+                cands[n] = plan.transfer_for(n).tokens_transferred
+    if not cands:
+        return [max(2, min(b + b // 2, cap))], []
+    todo = set(confusable_block_sizes(b))
+    chosen: list[int] = []
+
+    def covers(n: int, left: set[int]) -> set[int]:
+        return {x for x in left if _padded(cands[n], x) != _padded(cands[n], b)}
+
+    while todo and len(chosen) < max_probes:
+        best = max(sorted(cands), key=lambda n: (len(covers(n, todo)), -n))
+        got = covers(best, todo)
+        if not got:
+            break
+        chosen.append(best)
+        todo -= got
+    if not chosen:
+        chosen = [min(cands)]
+    return sorted(chosen), sorted(todo)
+
+
+def default_isls(plan: Any) -> list[int]:
+    """The probe lengths `verify` sends when none are given (see ``choose_isls``)."""
+    return choose_isls(plan)[0]
+
+
+def run_probes(decode_url: str, plan: Any, model_name: str, *, isls: list[int] | None = None,
+               prefill_url: str | None = None, proxy_url: str | None = None,
+               token_ids: bool = True) -> dict[str, Any]:
+    from hybridpd.errors import UsageError
+
+    if not (prefill_url or proxy_url):
+        raise UsageError("live mode needs --prefill URL or --proxy URL", field="--prefill/--proxy")
+    if plan.routes is None:
+        raise UsageError("the plan has no transfer routes for this combination", fix="run `hybridpd plan`")
+    blind: list[int] = []
+    if not isls:
+        isls, blind = choose_isls(plan)
+    probes = [run_probe(decode_url, proxy_url or prefill_url or "", plan, n, model_name, proxy=bool(proxy_url),
+                        token_ids=token_ids) for n in isls]
+    return {"mode": "live", "model": plan.model.model_id, "decode": decode_url, "via": "proxy" if proxy_url
+            else "prefill", "note": metrics.POOLING_NOTE, "plan_errors": _plan_errors(plan), "probes": probes,
+            "block_size": plan.prefill.block_size, "block_sizes_not_told_apart": blind,
+            "ok": all(p["ok"] for p in probes)}
+
+
+def run_passive(decode_url: str, plan: Any, window: float) -> dict[str, Any]:
+    before = metrics.snapshot(decode_url)
+    time.sleep(window)
+    after = metrics.snapshot(decode_url)
+    d = metrics.delta(before, after)
+    return passive_verdict(d, plan, window)
+
+
+def passive_verdict(d: dict[str, float], plan: Any, window: float) -> dict[str, Any]:
+    hist = metrics.prompt_histogram(d)
+    max_len = plan.prefill.settings.max_model_len or plan.model.max_position_embeddings or 131072
+    n, lo, hi = metrics.passive_bounds(plan, hist, max_len)
+    moved = int(round(d.get("vllm:nixl_bytes_transferred_sum", 0.0)))
+    fails = {k: int(round(d.get(k, 0.0))) for k in metrics.FAILURE_SERIES}
+    mism = [f"{k} rose by {v}" for k, v in fails.items() if v]
+    if not lo <= moved <= hi:
+        mism.append(f"bytes: moved {moved:,}, plan predicts {lo:,}..{hi:,} for {n} requests (approximate: from "
+                    "the prompt-length histogram buckets)")
+    errs = _plan_errors(plan)
+    if errs:
+        mism.append("the plan has error findings: not healthy even if the counters match")
+    return {"mode": "passive", "approximate": True, "window_s": window, "requests": n, "expected_bytes_min": lo,
+            "expected_bytes_max": hi, "moved_bytes": moved, "failures": fails, "note": metrics.POOLING_NOTE,
+            "plan_errors": errs, "mismatches": mism, "ok": not mism}
