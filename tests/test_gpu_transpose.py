@@ -52,6 +52,8 @@ def reference(out: np.ndarray, out_layout: str, out_c0: int, inp: np.ndarray, in
 # (rows, L, C_in, C_out, in_c0, out_c0, n): sub-ranges at non-zero offsets, whole tensors, one channel
 GEOMETRIES = [(rows, L, 37, 53, 7, 23, 19) for rows in (1, 9) for L in LENGTHS]
 GEOMETRIES += [(4, 3, 40, 40, 0, 0, 40), (2, 7, 5, 9, 4, 0, 1), (3, 3, 3000, 2100, 500, 77, 2023)]
+# whole channel pairs at L = 3 (the "pair" kernel's domain for 2-byte elements): offsets, a slice, one pair
+GEOMETRIES += [(3, 3, 3000, 2100, 500, 76, 2024), (2, 3, 64, 32, 10, 4, 20), (5, 3, 2, 4, 0, 2, 2)]
 
 
 def case_ids() -> list[tuple[Any, ...]]:
