@@ -10,5 +10,5 @@ RUN pip install --no-cache-dir . && rm -rf /src
 WORKDIR /
 USER 65532:65532
 EXPOSE 8000
-ENTRYPOINT ["python", "-m", "hybridpd.launch.proxy"]
+ENTRYPOINT ["python", "-m", "hybridpd_cli", "proxy"]
 CMD ["--help"]

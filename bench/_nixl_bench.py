@@ -270,4 +270,4 @@ def read_sweep(device: Placement, sizes: list[int], *, total: int = 256 << 20, m
         pc.send("stop")
         rp.recv(pc, "sweep prefill")
         rp.join()
-        return {"rows": rows, "ucx": ucx_report(rp.log("sweep-d"))}
+        return {"rows": rows, "ucx": ucx_report(rp.log("sweep-d")).as_dict()}

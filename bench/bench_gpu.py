@@ -157,17 +157,18 @@ def rehearse(pl: Any, case: tuple[Any, ...], repeat: int, entry: Any) -> dict[st
     est = estimate_request(plan.transfer_for(isl), entry)
     ranks = []
     for r, e in zip(res, est.per_rank, strict=True):
-        b = r["bench"]
+        b = r.bench
+        assert b is not None and r.read_times_s and r.ucx is not None
         warm = b["rehearsal"]["read_times_s"]
         ranks.append({
-            "rank": r["rank"], "ok": r["ok"], "mismatches": r["mismatches"][:3], "bytes": r["moved_bytes"],
-            "descriptors": r["moved_descriptors"], "reads": r["reads"],
-            "rehearsal_s": statistics.median(warm), "rehearsal_first_s": r["read_times_s"][0],
+            "rank": r.rank, "ok": r.ok, "mismatches": list(r.mismatches[:3]), "bytes": r.moved_bytes,
+            "descriptors": r.moved_descriptors, "reads": r.reads,
+            "rehearsal_s": statistics.median(warm), "rehearsal_first_s": r.read_times_s[0],
             "bare_s": statistics.median(b["bare"]["read_times_s"]),
             "coalesced_s": statistics.median(b["coalesced"]["read_times_s"]),
             "coalesced_descriptors": b["coalesced"]["descriptors"],
             "variants_identical": b["bare"]["identical"] and b["coalesced"]["identical"],
-            "estimate_s": e.seconds, "ucx": r["ucx"]})
+            "estimate_s": e.seconds, "ucx": r.ucx.as_dict()})
     req = max(x["rehearsal_s"] for x in ranks)
     return {"case": label, "model": plan.model.model_id, "ptp": ptp, "dtp": dtp, "block_size": s.p.block_size,
             "isl": isl, "num_blocks": s.n_log, "wall_s": wall, "ok": all(x["ok"] for x in ranks), "ranks": ranks,

@@ -4,7 +4,7 @@ Rows, measured in one run against the same fake backend process by the same load
 combination of concurrency (default 1, 16, 64) and streaming (SSE) or not:
 
   direct       client -> fake D, no P/D (the floor: one HTTP hop to D)
-  hybridpd     client -> hybridpd.launch.proxy (aiohttp) -> fake P, then fake D
+  hybridpd     client -> hybridpd's proxy (aiohttp) -> fake P, then fake D
   vllm-router  client -> vllm-router (Rust, PyPI ``vllm-router``, ``--vllm-pd-disaggregation``) -> fake P, then D
   toy          (``--with-toy``) vLLM's toy_proxy_server.py design (FastAPI + httpx + uvicorn), if importable
 
@@ -42,10 +42,11 @@ from typing import Any
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "tests"):  # the fake P/D servers live with the tests (tests/proxy_fakes.py)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
-from hybridpd.launch.proxy.fakes import (  # noqa: E402
+from proxy_fakes import (  # noqa: E402
     FakeDecode,
     FakePrefill,
     KVLedger,

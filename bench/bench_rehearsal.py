@@ -40,6 +40,7 @@ from hybridpd.core.plan import build_plan
 from hybridpd.core.settings import EngineSettings
 from hybridpd.verify.nixl_agent import run_nixl
 from hybridpd.verify.rehearsal import make_setup
+from hybridpd.verify.verdict import RankResult
 
 ORDER = ("rehearsal", "rehearsal_alt", "bare", "coalesced", "vm_readv", "memcpy")
 UCX_DEFAULT = "UCX_CMA_SEG_SIZE=512k"  # UCX's own cma segment; the rehearsal sets 64m (hybridpd.verify.nixl_wrap)
@@ -55,7 +56,7 @@ def _env_of(spec: str) -> dict[str, str]:
     return out
 
 
-def _run(s: Any, rounds: int, env: dict[str, str], alt: dict[str, str]) -> tuple[list[dict[str, Any]], float]:
+def _run(s: Any, rounds: int, env: dict[str, str], alt: dict[str, str]) -> tuple[list[RankResult], float]:
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # spawned rank processes inherit it; the rehearsal only sets defaults
     try:
@@ -70,14 +71,15 @@ def _run(s: Any, rounds: int, env: dict[str, str], alt: dict[str, str]) -> tuple
                 os.environ[k] = v
 
 
-def summarize(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
+def summarize(runs: list[list[RankResult]]) -> dict[str, Any]:
     ratios: dict[str, list[float]] = {}
     times: dict[str, list[float]] = {}
     nbytes = 0
     for res in runs:
         for r in res:
-            b = r["bench"]
-            nbytes = r["moved_bytes"]
+            b = r.bench
+            assert b is not None
+            nbytes = r.moved_bytes
             base = b["memcpy"]["read_times_s"]
             for name in ORDER:
                 if name not in b:
@@ -99,10 +101,10 @@ def summarize(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
-def _speedup(runs: list[list[dict[str, Any]]]) -> dict[str, float] | None:
+def _speedup(runs: list[list[RankResult]]) -> dict[str, float] | None:
     """Per round, rehearsal_alt time / rehearsal time (the two READs ran back to back)."""
-    xs = [a / b for res in runs for r in res if "rehearsal_alt" in r["bench"]
-          for a, b in zip(r["bench"]["rehearsal_alt"]["read_times_s"], r["bench"]["rehearsal"]["read_times_s"], strict=True)]
+    xs = [a / b for res in runs for r in res if r.bench and "rehearsal_alt" in r.bench
+          for a, b in zip(r.bench["rehearsal_alt"]["read_times_s"], r.bench["rehearsal"]["read_times_s"], strict=True)]
     if not xs:
         return None
     q = np.quantile(xs, [0.0, 0.25, 0.5, 0.75, 1.0])
@@ -128,26 +130,27 @@ def main() -> None:
     plan = build_plan(a.model, prefill=EngineSettings(tp=a.ptp), decode=EngineSettings(tp=a.dtp))
     isl = a.blocks * plan.prefill.block_size
     s = make_setup(plan, isl=isl, max_rank_bytes=256 << 20)
-    runs: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in configs}
+    runs: dict[str, list[list[RankResult]]] = {c: [] for c in configs}
     walls: dict[str, list[float]] = {c: [] for c in configs}
     first: dict[str, list[float]] = {c: [] for c in configs}
     for _ in range(a.repeat):
         for c, env in zip(configs, envs, strict=True):
             res, wall = _run(s, a.rounds, env, _env_of(a.alt_ucx))
-            bad = [m for r in res for m in r["mismatches"]]
+            bad = [m for r in res for m in r.mismatches]
             if bad:
                 raise SystemExit(f"rehearsal FAILED under {c!r}: {bad[:3]}")
-            differ = sorted({k for r in res for k, v in r["bench"].items() if v.get("identical") is False})
+            differ = sorted({k for r in res for k, v in (r.bench or {}).items() if v.get("identical") is False})
             if differ:
                 raise SystemExit(f"variants {differ} left D different from the rehearsal's READ under {c!r}")
             runs[c].append(res)
             walls[c].append(wall)
-            first[c].extend(r["first_elapsed_s"] for r in res)
+            first[c].extend(r.first_elapsed_s for r in res if r.first_elapsed_s is not None)
     r0 = runs[configs[0]][0][0]
+    assert r0.bench is not None  # run_nixl(bench=...) gives every verdict its hook's answer
     head = {"model": plan.model.model_id, "ptp": a.ptp, "dtp": a.dtp, "isl": isl, "num_blocks": s.n_log,
-            "bytes_per_d_rank": r0["moved_bytes"], "descriptors_per_d_rank": r0["moved_descriptors"],
-            "telemetry_descriptors": (r0["telemetry"] or {}).get("descriptors"),
-            "coalesced_descriptors": r0["bench"]["coalesced"]["descriptors"], "reads_per_d_rank": r0["reads"],
+            "bytes_per_d_rank": r0.moved_bytes, "descriptors_per_d_rank": r0.moved_descriptors,
+            "telemetry_descriptors": (r0.telemetry or {}).get("descriptors"),
+            "coalesced_descriptors": r0.bench["coalesced"]["descriptors"], "reads_per_d_rank": r0.reads,
             "alt_ucx": _env_of(a.alt_ucx),
             "repeat": a.repeat, "rounds": a.rounds, "load_avg": os.getloadavg()[0]}
     figures = {c or "default": {"ucx": envs[i], "variants": summarize(runs[c]), "wall_s": walls[c],

@@ -111,6 +111,8 @@ def atomic(text: str) -> bool:
 
 
 def _width(text: str) -> int:
+    if text.isascii() and text.isprintable():  # one cell per character (rich agrees); most cells, no lookups
+        return len(text)
     from rich.cells import cell_len
 
     return cell_len(text)
@@ -205,10 +207,16 @@ def emit_report(report: Report, fmt: str, width: int | None = None) -> None:
 
 def _emit_rich(report: Report, width: int | None) -> None:
     from rich.console import Console
+
+    console = Console(soft_wrap=False, highlight=False, width=width)
+    with console:  # buffered: the whole report is written once, at the end
+        _rich_report(console, report)
+
+
+def _rich_report(console: Any, report: Report) -> None:
     from rich.table import Table as RTable
     from rich.text import Text
 
-    console = Console(soft_wrap=False, highlight=False, width=width)
     total = console.width
     if report.verdict is not None:
         v = report.verdict

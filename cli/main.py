@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "models": ("hybridpd_cli.models", "models", "List bundled models and their P/D support per vLLM version."),
     "diff": ("hybridpd_cli.diff", "diff", "What changes between two plans (an upgrade, TP, block size, dtype)."),
     "doctor": ("hybridpd_cli.doctor", "doctor", "Check this machine for what a P/D launch needs."),
+    "proxy": ("hybridpd_cli.proxy", "proxy", "Run the P/D routing proxy in the foreground (what `serve` launches)."),
     "completions": ("hybridpd_cli.completions", "completions", "Print the shell completion script."),
 }
 

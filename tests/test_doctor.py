@@ -153,14 +153,38 @@ def test_old_python_fails() -> None:
 
 
 def test_real_can_bind_detects_a_held_port() -> None:
+    """doctor's default port probe is the launch's own (serve refuses exactly the ports doctor reports)."""
     import socket
 
+    from hybridpd.launch.probes import bind_error
+
+    assert Probes().can_bind is bind_error
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        assert D._can_bind("127.0.0.1", port) is not None
-    assert D._can_bind("127.0.0.1", 0) is None
+        assert bind_error("127.0.0.1", port) == "Address already in use"
+    assert bind_error("127.0.0.1", 0) is None
+    assert (bind_error("no-such-host.invalid", 5600) or "").startswith("cannot resolve no-such-host.invalid")
+
+
+def test_port_left_in_time_wait_counts_as_free() -> None:
+    """A stopped server's port in TIME_WAIT: vLLM (uvicorn) binds it with SO_REUSEADDR, so the probe must too."""
+    import socket
+
+    from hybridpd.launch.probes import bind_error
+
+    with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        cli = socket.create_connection(("127.0.0.1", port))
+        conn, _ = srv.accept()
+        conn.close()  # the server side closes first: its end of the connection goes to TIME_WAIT
+        cli.recv(1)
+        cli.close()
+    assert bind_error("127.0.0.1", port) is None
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -319,3 +343,22 @@ def test_deployment_not_a_record_is_usage_error(tmp_path: Path, capsys: pytest.C
     p.write_text('{"schema": "other"}')
     code, err = _main("doctor", "--deployment", str(p), capsys=capsys)
     assert code == 2 and "not a hybridpd deployment record" in err
+
+
+def test_nixl_probe_imports_by_the_rehearsal_ladder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin probe runs hybridpd.verify.nixl_wrap.import_nixl in the probed interpreter: with both a
+    nixl_cu13 and a nixl meta package importable, the ladder takes nixl_cu13 first (as the rehearsal does)."""
+    import sys
+
+    for pkg, plugin in (("nixl_cu13", "FROM_CU13"), ("nixl", "FROM_META")):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+        (tmp_path / pkg / "_api.py").write_text(
+            "class nixl_agent_config:\n    def __init__(self, **kw):\n        pass\n"
+            "class nixl_agent:\n    def __init__(self, name, cfg):\n        pass\n"
+            f"    def get_plugin_list(self):\n        return ['UCX', {plugin!r}]\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    pr = replace(Probes(), python_executable=sys.executable, dist_version={"nixl": "1.5.1", "nixl-cu13": "1.5.1"}.get)
+    c = by_name(D.check_nixl(pr, probe=True))
+    assert c["nixl-plugins"].status == OK, c["nixl-plugins"]
+    assert "FROM_CU13" in c["nixl-plugins"].detail and "FROM_META" not in c["nixl-plugins"].detail

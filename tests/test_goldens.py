@@ -39,7 +39,7 @@ def test_serve_dry_run_human(width: int) -> None:
     assert r.returncode == 0, r.stderr
     got = f"$ hybridpd {' '.join(SERVE)}\n{text_lines(mask_text(r.stdout, {}))}[stderr]\n{text_lines(r.stderr)}"
     check_golden("serve", f"nano-2-2-dry-run-{width}.txt", got)
-    assert "<python> -m hybridpd.launch.proxy" in got  # the mask hit the proxy's interpreter, nothing else varies
+    assert "<python> -m hybridpd_cli proxy" in got  # the mask hit the proxy's interpreter, nothing else varies
 
 
 def test_serve_dry_run_json() -> None:

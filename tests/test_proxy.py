@@ -15,10 +15,23 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from proxy_fakes import Harness, eventually, harness, parse_sse, run, stream_text
+from proxy_fakes import (
+    FakeDecode,
+    FakePrefill,
+    Harness,
+    KVLedger,
+    eventually,
+    expected_text,
+    harness,
+    parse_sse,
+    run,
+    start_server,
+    stream_text,
+    token_text,
+    unused_port,
+)
 
 from hybridpd.launch.proxy import ProxyConfig, build_app, proxy_state
-from hybridpd.launch.proxy.fakes import FakeDecode, FakePrefill, KVLedger, expected_text, start_server, token_text, unused_port
 
 PROMPT = "The capital of France is"
 COMPLETION: dict[str, Any] = {"model": "fake-model", "prompt": PROMPT, "max_tokens": 5, "temperature": 0}
@@ -711,7 +724,7 @@ def test_sigterm_with_a_stream_in_flight_ends_it_with_an_error_event_within_the_
         ps, ds = await start_server(p.make_app()), await start_server(d.make_app())
         port = unused_port()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "hybridpd.launch.proxy", "--prefill", ps.url, "--decode", ds.url, "--port", str(port),
+            sys.executable, "-m", "hybridpd_cli", "proxy", "--prefill", ps.url, "--decode", ds.url, "--port", str(port),
             "--shutdown-grace", "0.5", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         )

@@ -18,7 +18,19 @@ import aiohttp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from proxy_fakes import Harness, eventually, harness, parse_sse, run
+from proxy_fakes import (
+    FakeDecode,
+    FakePrefill,
+    Harness,
+    KVLedger,
+    eventually,
+    harness,
+    parse_sse,
+    proxy_cli,
+    run,
+    start_server,
+    unused_port,
+)
 
 from hybridpd.launch.proxy import (
     ProxyError,
@@ -28,8 +40,6 @@ from hybridpd.launch.proxy import (
     prefill_request,
     validate_client_request,
 )
-from hybridpd.launch.proxy.__main__ import build_parser, config_from_args
-from hybridpd.launch.proxy.fakes import FakeDecode, FakePrefill, KVLedger, start_server, unused_port
 from hybridpd.launch.proxy.guard import GUARD_SUPPORTED
 from hybridpd.launch.proxy.protocol import SSEError
 
@@ -373,13 +383,15 @@ def test_health_reports_a_dead_backend_on_the_next_call() -> None:
     run(go())
 
 
-def test_timeouts_and_limits_are_settable_from_the_proxy_cli() -> None:
+def test_timeouts_and_limits_are_settable_from_the_proxy_cli(monkeypatch: pytest.MonkeyPatch) -> None:
     argv = ["--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200",
             "--prefill-timeout", "600", "--decode-timeout", "900", "--decode-first-byte-timeout", "700",
             "--decode-idle-timeout", "60", "--connect-timeout", "2", "--header-timeout", "7",
             "--body-timeout", "8", "--idle-timeout", "9", "--max-connections", "100",
             "--max-sse-event-bytes", "2048", "--expose-backend-errors", "--health-interval", "1"]
-    c = config_from_args(build_parser().parse_args(argv))
+    code, served, err = proxy_cli(argv, monkeypatch)
+    assert code == 0 and len(served) == 1, err
+    c = served[0]
     assert (c.prefill_timeout_s, c.decode_timeout_s, c.decode_first_byte_timeout_s, c.decode_idle_timeout_s,
             c.connect_timeout_s, c.header_timeout_s, c.body_timeout_s, c.idle_timeout_s) == (
         600, 900, 700, 60, 2, 7, 8, 9)
@@ -422,7 +434,7 @@ def test_idle_flood_past_the_open_file_limit_does_not_lock_out_clients(tmp_path:
         ps, ds = await start_server(FakePrefill(ledger).make_app()), await start_server(FakeDecode(ledger).make_app())
         port = unused_port()
         code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
-                "from hybridpd.launch.proxy.__main__ import main; sys.exit(main(sys.argv[1:]))")
+                "from hybridpd_cli.main import main; sys.exit(main(['proxy', *sys.argv[1:]]))")
         log = open(tmp_path / "proxy.log", "wb")
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", code, "--prefill", ps.url, "--decode", ds.url, "--port", str(port),

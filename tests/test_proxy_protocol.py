@@ -355,20 +355,40 @@ def test_config_rejects_bad_values_naming_the_field(kw: dict[str, Any], field: s
     assert ei.value.field == field and isinstance(ei.value, UsageError)
 
 
-# ----------------------------------------------------------------------------- python -m hybridpd.launch.proxy
+# ----------------------------------------------------------------------------- hybridpd proxy
 
 
 def test_cli_accepts_the_launchers_flags_and_reads_keys_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hybridpd.launch.proxy.__main__ import main, parse_args
+    from proxy_fakes import proxy_cli
 
     monkeypatch.setenv("HYBRIDPD_PROXY_API_KEY", "k1")
     monkeypatch.delenv("HYBRIDPD_PROXY_BACKEND_API_KEY", raising=False)
     # the argv hybridpd.launch.commands.proxy_argv builds
-    cfg = parse_args(["--host", "127.0.0.1", "--port", "8000", "--policy", "least_outstanding",
-                      "--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200",
-                      "--decode", "http://127.0.0.1:8201/", "--prefill-timeout", "30"])
+    code, served, err = proxy_cli(["--host", "127.0.0.1", "--port", "8000", "--policy", "least_outstanding",
+                                   "--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200",
+                                   "--decode", "http://127.0.0.1:8201/", "--prefill-timeout", "30"], monkeypatch)
+    assert code == 0 and len(served) == 1, err
+    cfg = served[0]
     assert cfg.prefill_urls == ("http://127.0.0.1:8100",)
     assert cfg.decode_urls == ("http://127.0.0.1:8200", "http://127.0.0.1:8201")
     assert (cfg.policy, cfg.port, cfg.prefill_timeout_s, cfg.api_key, cfg.backend_api_key) == (
         "least_outstanding", 8000, 30.0, "k1", None)
-    assert main(["--prefill", "http://p:1/v1", "--decode", "http://d:1"]) == 2
+    code, served, err = proxy_cli(["--prefill", "http://p:1/v1", "--decode", "http://d:1"], monkeypatch)
+    assert (code, served) == (2, []) and err.startswith("Error: prefill_urls: ") and err.count("\n") == 1
+
+
+def test_cli_port_in_use_is_one_error_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    """The real ``run_proxy``: the listening socket cannot be bound -> the error table's one line, exit 1."""
+    import socket
+
+    from hybridpd_cli.main import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as ei:
+            main(["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", str(port),
+                  "--health-timeout", "0.5"])
+    err = capsys.readouterr().err
+    assert ei.value.code == 1 and err.startswith(f"Error: cannot serve on 127.0.0.1:{port}: ") and err.count("\n") == 1

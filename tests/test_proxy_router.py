@@ -11,7 +11,8 @@ import pytest
 
 from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import UsageError
-from hybridpd.launch.commands import LaunchOptions, build_launch_plan, entry_for
+from hybridpd.launch.commands import LaunchOptions, build_launch_plan
+from hybridpd.launch.entry import entry_for
 from hybridpd.launch.proxy.router import find_vllm_router, vllm_router_argv
 
 CUDA_ENTRY = entry_for("/venv/bin/python", "vllm", "0.32.0")

@@ -13,15 +13,16 @@ from click.testing import CliRunner
 from hybridpd.core.plan import build_plan
 from hybridpd.core.settings import EngineSettings
 from hybridpd.errors import UsageError
-from hybridpd.verify.rehearsal import D_INIT, P_PAD, expected_decode, fill_prefill, full_mamba, make_setup, run_in_memory
+from hybridpd.verify.rehearsal import D_INIT, P_PAD, expected_decode, fill_prefill, full_fa, full_mamba, make_setup
+from hybridpd.verify.verdict import RankResult, run_in_memory
 
 
 def _plan(model: Path | str, ptp: int, dtp: int, **kw: Any) -> Any:
     return build_plan(str(model), prefill=EngineSettings(tp=ptp, **kw), decode=EngineSettings(tp=dtp, **kw))
 
 
-def _ok(res: list[dict[str, Any]]) -> bool:
-    return all(r["ok"] for r in res)
+def _ok(res: list[RankResult]) -> bool:
+    return all(r.ok for r in res)
 
 
 # ------------------------------------------------------------------------------------ unit: the fill
@@ -68,6 +69,31 @@ def test_decode_expectation_is_rank_slice(tiny_models: dict[str, Path]) -> None:
         assert (exp[0][other * d.page_size_bytes:(other + 1) * d.page_size_bytes] == D_INIT).all()
 
 
+@pytest.mark.parametrize("release,kernel_block", [("0.32", 48), ("0.20", 16)])
+def test_decode_expectation_fa_is_rank_head(tiny_models: dict[str, Path], release: str, kernel_block: int) -> None:
+    """D TP2's expected FA pages, sliced by hand from the TP=1 K/V.  Tiny NemotronH: 2 KV heads of head_dim 64 in
+    bf16, so one head's K (or V) is 128 B per token, and at D TP2 rank r keeps head r.  Block 48 tokens: vLLM 0.32
+    runs one 48-token kernel block per block, K and V of a head packed (kv_descs_per_block 1); 0.20 runs three
+    16-token kernel blocks, all heads' K then all heads' V (kv_descs_per_block 2).  With one head per rank both
+    lay a kernel page out as [K of head r: kernel_block x 128 B | V of head r]."""
+    plan = build_plan(str(tiny_models["nemoh"]), prefill=EngineSettings(tp=1), decode=EngineSettings(tp=2),
+                      vllm_version=release)
+    s = make_setup(plan)
+    d = s.d
+    ratio = 48 // kernel_block
+    assert (d.block_size, d.kernel_block_size, d.physical_per_logical) == (48, kernel_block, ratio)
+    assert d.kernel_page_bytes == 2 * kernel_block * 128 and d.page_size_bytes == ratio * d.kernel_page_bytes
+    g = next(g for g in d.groups if g.kind == "attention")
+    assert len(s.d_blocks[g.index]) == 2  # 71 tokens (N-1 of 72) in 48-token blocks
+    for r in range(2):
+        exp = expected_decode(s, r)
+        for j, blk in enumerate(s.d_blocks[g.index]):
+            kv = full_fa(s, 0, g.index, j)  # TP=1: (kernel blocks, KV heads, K|V, tokens, bytes per token and head)
+            assert kv.shape == (ratio, 2, 2, kernel_block, 128)
+            page = exp[0][blk * d.page_size_bytes:(blk + 1) * d.page_size_bytes]
+            assert np.array_equal(page.reshape(ratio, 2, kernel_block, 128), kv[:, r])
+
+
 def test_n_minus_one_and_blocks(tiny_models: dict[str, Path]) -> None:
     plan = _plan(tiny_models["nemoh"], 1, 1)
     s = make_setup(plan, isl=97)
@@ -83,10 +109,10 @@ def test_n_minus_one_and_blocks(tiny_models: dict[str, Path]) -> None:
 @pytest.mark.parametrize("ptp,dtp", [(1, 1), (1, 2), (2, 1), (2, 2)])
 def test_nemotronh_passes_in_memory(tiny_models: dict[str, Path], ptp: int, dtp: int) -> None:
     res = run_in_memory(make_setup(_plan(tiny_models["nemoh"], ptp, dtp)))
-    assert _ok(res), [r["mismatches"] for r in res]
+    assert _ok(res), [r.mismatches for r in res]
     for r in res:
-        assert r["moved_bytes"] == r["expected_bytes"]
-        assert r["padding_bytes_moved"] == 0
+        assert r.moved_bytes == r.expected_bytes
+        assert r.padding_bytes_moved == 0
 
 
 def test_granite_homogeneous_passes(tiny_models: dict[str, Path]) -> None:
@@ -97,18 +123,18 @@ def test_granite_hetero_fails_naming_region(tiny_models: dict[str, Path]) -> Non
     res = run_in_memory(make_setup(_plan(tiny_models["granite"], 1, 2)))
     assert not _ok(res)
     # accounting matches (vLLM moves the predicted bytes), semantics do not
-    assert all(r["moved_bytes"] == r["expected_bytes"] for r in res)
-    assert any("D rank 0: region C" in m for m in res[0]["mismatches"])
-    assert any("D rank 1: region B" in m for m in res[1]["mismatches"])
+    assert all(r.moved_bytes == r.expected_bytes for r in res)
+    assert any("D rank 0: region C" in m for m in res[0].mismatches)
+    assert any("D rank 1: region B" in m for m in res[1].mismatches)
 
 
 @pytest.mark.parametrize("inject", ["offset", "length"])
 def test_injection_fails_naming_rank_region_block(tiny_models: dict[str, Path], inject: str) -> None:
     res = run_in_memory(make_setup(_plan(tiny_models["nemoh"], 1, 2), inject=inject, inject_rank=1))
-    assert res[0]["ok"] and not res[1]["ok"]
-    msg = " ".join(res[1]["mismatches"])
+    assert res[0].ok and not res[1].ok
+    msg = " ".join(res[1].mismatches)
     assert "D rank 1: region B" in msg and "block" in msg
-    assert res[1]["injected"]
+    assert res[1].injected
 
 
 def test_refuses_block_not_divisible_with_fix(tiny_models: dict[str, Path]) -> None:
@@ -189,7 +215,7 @@ def test_cli_refusal_exit_2(tiny_models: dict[str, Path], capsys: pytest.Capture
 # ---------------------------------------------------------------------------- integration: real NIXL
 
 
-def _nixl(setup: Any) -> list[dict[str, Any]]:
+def _nixl(setup: Any) -> list[RankResult]:
     from hybridpd.verify.nixl_agent import nixl_available, run_nixl
 
     if not nixl_available():
@@ -201,18 +227,18 @@ def _nixl(setup: Any) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("model,ptp,dtp", [("nemoh", 1, 1), ("nemoh", 1, 2), ("nemoh", 2, 1), ("granite", 1, 1)])
 def test_nixl_passes(tiny_models: dict[str, Path], model: str, ptp: int, dtp: int) -> None:
     res = _nixl(make_setup(_plan(tiny_models[model], ptp, dtp)))
-    assert _ok(res), [r["mismatches"] for r in res]
+    assert _ok(res), [r.mismatches for r in res]
     for r in res:
-        if r["telemetry"]:
-            assert r["telemetry"]["bytes"] == r["expected_bytes"]
+        if r.telemetry:
+            assert r.telemetry["bytes"] == r.expected_bytes
 
 
 @pytest.mark.integration
 def test_nixl_granite_hetero_fails(tiny_models: dict[str, Path]) -> None:
     res = _nixl(make_setup(_plan(tiny_models["granite"], 1, 2)))
     assert not _ok(res)
-    assert any("region C" in m for m in res[0]["mismatches"])
-    assert any("region B" in m for m in res[1]["mismatches"])
+    assert any("region C" in m for m in res[0].mismatches)
+    assert any("region B" in m for m in res[1].mismatches)
 
 
 @pytest.mark.integration
@@ -220,7 +246,7 @@ def test_nixl_granite_hetero_fails(tiny_models: dict[str, Path]) -> None:
 def test_nixl_injection_fails(tiny_models: dict[str, Path], inject: str) -> None:
     res = _nixl(make_setup(_plan(tiny_models["nemoh"], 1, 1), inject=inject))
     assert not _ok(res)
-    assert any("D rank 0: region B" in m and "block" in m for m in res[0]["mismatches"])
+    assert any("D rank 0: region B" in m and "block" in m for m in res[0].mismatches)
 
 
 @pytest.mark.integration
@@ -257,9 +283,9 @@ def test_offset_injection_on_the_last_block_stays_in_registered_memory() -> None
     the registered tensor (NIXL refuses to prep it), so the fault shifts it down and the check must catch it."""
     s = make_setup(_plan("nano", 2, 2), inject="offset", inject_rank=0)
     res = run_in_memory(s)  # numpy copies refuse addresses outside every tensor, like NIXL
-    assert "(-" in res[0]["injected"][0], res[0]["injected"]
-    assert not res[0]["ok"] and res[1]["ok"]
-    assert any("D rank 0: region B" in m for m in res[0]["mismatches"])
+    assert "(-" in res[0].injected[0], res[0].injected
+    assert not res[0].ok and res[1].ok
+    assert any("D rank 0: region B" in m for m in res[0].mismatches)
 
 
 # ----------------------------------------------------------------------- the NIXL wrapper and plumbing

@@ -29,10 +29,9 @@ from typing import Any
 import aiohttp
 import pytest
 from procs import free_ports
-from proxy_fakes import run
+from proxy_fakes import FakeDecode, FakePrefill, KVLedger, expected_text, run, start_server
 from vllm_pd import PD, complete, make_model, needs_vllm, running_pd
 
-from hybridpd.launch.proxy.fakes import FakeDecode, FakePrefill, KVLedger, expected_text, start_server
 from hybridpd.launch.proxy.router import vllm_router_argv
 
 ROUTER = os.environ.get("HYBRIDPD_VLLM_ROUTER") or shutil.which("vllm-router") or str(

@@ -39,7 +39,7 @@ def test_check_rejects_unknown_passthrough(tiny_models: dict[str, Path]) -> None
 @pytest.mark.vllm
 @needs_vllm
 def test_detects_vllm_cpu_entry() -> None:
-    from hybridpd.launch.commands import detect_vllm_entry
+    from hybridpd.launch.entry import detect_vllm_entry
 
     e = detect_vllm_entry(VLLM_PY)
     assert e.distribution == "vllm-cpu" and e.kind == "api_server"

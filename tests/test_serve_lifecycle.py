@@ -26,8 +26,8 @@ import pytest
 from procs import alive, free_port_run, free_ports
 from vllm_pd import VLLM_PY, make_model, needs_vllm
 
-from hybridpd.launch.commands import port_in_use
 from hybridpd.launch.keeper import descendants
+from hybridpd.launch.probes import port_in_use
 
 pytestmark = [pytest.mark.integration, needs_vllm]
 

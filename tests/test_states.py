@@ -234,27 +234,29 @@ def test_plan_json_names_the_sub_projections() -> None:
 @pytest.mark.parametrize("model,ptp,dtp", [("jamba", 1, 2), ("jamba", 4, 2), ("qwen3-next", 1, 2),
                                            ("qwen3-next", 2, 1)])
 def test_rehearsal_moves_exactly_the_ground_truth(model: str, ptp: int, dtp: int) -> None:
-    from hybridpd.verify.rehearsal import make_setup, run_in_memory
+    from hybridpd.verify.rehearsal import make_setup
+    from hybridpd.verify.verdict import run_in_memory
 
     plan = _plan(model, "0.32", ptp, dtp)
     res = run_in_memory(make_setup(plan, max_rank_bytes=8 << 20))
-    assert all(r["ok"] for r in res), [r["mismatches"][:2] for r in res]
+    assert all(r.ok for r in res), [r.mismatches[:2] for r in res]
     names = ["FA", "x", "SSM"] if model == "jamba" else ["FA", "Q", "K", "V", "SSM"]
-    assert list(res[0]["moved_components"]) == names
+    assert list(res[0].moved_components) == names
     # Jamba P TP1 -> D TP2 per D rank per (slot, group): x 24,576 B + SSM 131,072 B; 4 slots x 7 groups
     if (model, ptp, dtp) == ("jamba", 1, 2):
-        assert res[0]["moved_components"]["x"] == 28 * 24_576 and res[0]["moved_components"]["SSM"] == 28 * 131_072
+        assert res[0].moved_components["x"] == 28 * 24_576 and res[0].moved_components["SSM"] == 28 * 131_072
 
 
 @pytest.mark.parametrize("model", ["jamba", "qwen3-next"])
 @pytest.mark.parametrize("inject", ["offset", "length"])
 def test_rehearsal_catches_an_injected_fault(model: str, inject: str) -> None:
-    from hybridpd.verify.rehearsal import make_setup, run_in_memory
+    from hybridpd.verify.rehearsal import make_setup
+    from hybridpd.verify.verdict import run_in_memory
 
     res = run_in_memory(make_setup(_plan(model, "0.32", 1, 2), inject=inject, max_rank_bytes=8 << 20))
-    assert [r["ok"] for r in res] == [False, True]
+    assert [r.ok for r in res] == [False, True]
     first = "x" if model == "jamba" else "Q"
-    assert any(f"region {first}:" in m for m in res[0]["mismatches"])
+    assert any(f"region {first}:" in m for m in res[0].mismatches)
 
 
 @pytest.mark.integration
@@ -269,9 +271,9 @@ def test_nixl_rehearsal_moves_the_planned_bytes(model: str, ptp: int, dtp: int) 
     plan = _plan(model, "0.32", ptp, dtp)
     setup = make_setup(plan, max_rank_bytes=8 << 20)
     res = run_nixl(setup)
-    assert all(r["ok"] for r in res), [r["mismatches"][:2] for r in res]
+    assert all(r.ok for r in res), [r.mismatches[:2] for r in res]
     want = plan.transfer_for(setup.isl)
     for r in res:
-        if r["telemetry"]:
-            assert r["telemetry"]["bytes"] == r["expected_bytes"] == want.per_rank[r["rank"]].bytes
-            assert r["telemetry"]["descriptors"] == r["moved_descriptors"]
+        if r.telemetry:
+            assert r.telemetry["bytes"] == r.expected_bytes == want.per_rank[r.rank].bytes
+            assert r.telemetry["descriptors"] == r.moved_descriptors

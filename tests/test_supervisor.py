@@ -18,7 +18,8 @@ import pytest
 from procs import alive, free_port_run, free_ports
 
 from hybridpd.core.settings import EngineSettings
-from hybridpd.launch.commands import LaunchOptions, LaunchPlan, build_launch_plan, command_entry
+from hybridpd.launch.commands import LaunchOptions, LaunchPlan, build_launch_plan
+from hybridpd.launch.entry import command_entry
 from hybridpd.launch.supervisor import Supervisor
 
 FAKE = r'''
@@ -230,7 +231,7 @@ def _start_cli(model: Path, fake: Path, tmp_path: Path, *extra: str, vllm_args: 
 
 def _bound(port: int) -> bool:
     """Bound the way `serve`'s own port check sees it (SO_REUSEADDR: TIME_WAIT leftovers do not count)."""
-    from hybridpd.launch.commands import port_in_use
+    from hybridpd.launch.probes import port_in_use
 
     return port_in_use("127.0.0.1", port)
 
@@ -378,7 +379,8 @@ def test_orphans_of_a_killed_keeper_are_swept(tiny_models: dict[str, Path], fake
 _ORPHAN_SCRIPT = r"""
 import io, json, os, signal, sys, time
 from hybridpd.launch.supervisor import Supervisor
-from hybridpd.launch.commands import LaunchPlan, ProcessSpec, VllmEntry
+from hybridpd.launch.commands import LaunchPlan, ProcessSpec
+from hybridpd.launch.entry import VllmEntry
 d = json.loads(sys.argv[1])
 procs = tuple(ProcessSpec(name=p["name"], role=p["role"], argv=tuple(p["argv"]), env=tuple(p["env"].items()),
                           host=p["host"], port=p["port"], health_url=p["health_url"]) for p in d["processes"])

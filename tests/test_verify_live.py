@@ -114,8 +114,9 @@ def test_probe_via_prefill_healthy(serve: Any, tiny_models: dict[str, Path]) -> 
     fake = FakePD(plan)
     d, p, _ = _servers(serve, fake)
     r = live.run_probe(d, p, plan, 54, "m")
-    assert r["ok"], r["mismatches"]
-    assert r["moved_bytes"] == plan.transfer_for(54).bytes
+    assert r.ok, r.mismatches
+    assert r.comparison.moved_bytes == plan.transfer_for(54).bytes
+    assert (r.isl, r.tokens_transferred) == (54, 53)  # N-1: P prefills 53 tokens, D computes the 54th
     (_, pb), (_, db) = fake.requests
     assert pb["prompt"] == live.prompt_ids(54) and len(db["prompt"]) == 54
     assert db["kv_transfer_params"]["remote_num_tokens"] == 54  # P's params passed on unchanged
@@ -125,14 +126,14 @@ def test_probe_via_proxy(serve: Any, tiny_models: dict[str, Path]) -> None:
     plan = _plan(tiny_models)
     d, _, x = _servers(serve, FakePD(plan))
     r = live.run_probe(d, x, plan, 100, "m", proxy=True)
-    assert r["ok"], r["mismatches"]
+    assert r.ok, r.mismatches
 
 
 def test_probe_detects_short_transfer(serve: Any, tiny_models: dict[str, Path]) -> None:
     plan = _plan(tiny_models)
     d, p, _ = _servers(serve, FakePD(plan, short_bytes=96))
     r = live.run_probe(d, p, plan, 54, "m")
-    assert not r["ok"] and any("bytes" in m for m in r["mismatches"])
+    assert not r.ok and any("bytes" in m for m in r.mismatches)
 
 
 def test_cli_live_json_unhealthy_on_error_finding(serve: Any, tiny_models: dict[str, Path]) -> None:

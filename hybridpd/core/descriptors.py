@@ -10,6 +10,7 @@ here only (never by `plan`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,62 +32,65 @@ class DescTable:
         return int(self.addr.shape[0])
 
 
-def _grid(bases: np.ndarray, offsets: np.ndarray, n: int, stride: int) -> np.ndarray:
-    """base + offset + b*stride for every (base, offset, b), base-major: one broadcast, no per-region loop."""
+def _grid_into(out: np.ndarray, bases: np.ndarray, offsets: np.ndarray, n: int, stride: int) -> None:
+    """out[i, j, b] = bases[i] + offsets[j] + b*stride, base-major, written in place: one broadcast pass over
+    ``out`` (no full-size temporaries; tables reach ~16M descriptors, so the build is memory-bound)."""
     blocks = np.arange(n, dtype=np.uint64) * np.uint64(stride)
-    return (bases[:, None, None] + offsets[None, :, None] + blocks[None, None, :]).reshape(-1)
+    starts = bases[:, None] + offsets[None, :]
+    np.add(starts[:, :, None], blocks[None, None, :], out=out.reshape(bases.shape[0], offsets.shape[0], n))
 
 
-def _fa_part(bases: np.ndarray, n_phys: int, kernel_page: int, kvd: int, offset: int, v_offset: int | None,
-             length: int) -> tuple[np.ndarray, np.ndarray]:
-    # region order: tensor i -> (K, V) when kvd == 2
-    offs = [offset] if kvd == 1 else [offset, v_offset if v_offset is not None else offset + kernel_page // 2]
-    addr = _grid(bases, np.asarray(offs, dtype=np.uint64), n_phys, kernel_page)
-    return addr, np.full(addr.shape[0], length, dtype=np.uint64)
+def _mamba_spans(side: SideLayout) -> tuple[tuple[int, int], ...]:
+    """(offset in the page, length) of each of a slot's Mamba descriptors; empty without Mamba groups."""
+    return tuple(side.mamba.desc_spans()) if side.mamba is not None and side.mamba_groups else ()
 
 
-def _mamba_part(bases: np.ndarray, n_log: int, page: int, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-    if not spans or bases.shape[0] == 0:
-        return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-    addr = _grid(bases, np.asarray([o for o, _ in spans], dtype=np.uint64), n_log, page)
-    lens = np.broadcast_to(np.asarray([ln for _, ln in spans], dtype=np.uint64)[None, :, None],
-                           (bases.shape[0], len(spans), n_log)).reshape(-1)
-    return addr, lens
+def _table(bases: np.ndarray, *, n_phys: int, n_log: int, kernel_page: int, fa_offsets: Sequence[int],
+           fa_length: int, mamba_slots: int, page: int, spans: Sequence[tuple[int, int]]) -> DescTable:
+    """FA descriptors (every base x ``fa_offsets`` x kernel block), then Mamba (the first ``mamba_slots``
+    bases x ``spans`` x logical block), written into two preallocated arrays."""
+    fa_offs = np.asarray(fa_offsets, dtype=np.uint64)
+    mb = bases[:mamba_slots]
+    n_fa = bases.shape[0] * fa_offs.shape[0] * n_phys
+    n_m = mb.shape[0] * len(spans) * n_log
+    addr = np.empty(n_fa + n_m, dtype=np.uint64)
+    length = np.empty(n_fa + n_m, dtype=np.uint64)
+    if n_fa:
+        _grid_into(addr[:n_fa], bases, fa_offs, n_phys, kernel_page)
+        length[:n_fa] = fa_length
+    if n_m:
+        _grid_into(addr[n_fa:], mb, np.asarray([o for o, _ in spans], dtype=np.uint64), n_log, page)
+        lens = np.asarray([ln for _, ln in spans], dtype=np.uint64)
+        length[n_fa:].reshape(mb.shape[0], len(spans), n_log)[...] = lens[None, :, None]
+    return DescTable(addr=addr, length=length, num_fa_descs=n_fa, n_phys=n_phys, n_log=n_log)
 
 
 def local_table(side: SideLayout, bases: list[int], n_log: int) -> DescTable:
     """The descriptors a rank registers over its own KV-cache tensors (one base address per tensor)."""
-    b = np.asarray(bases, dtype=np.uint64)
     kvd = side.profile.kv_descs_per_block
-    n_phys = n_log * side.physical_per_logical
     kp = side.kernel_page_bytes
-    fa_a, fa_l = (_fa_part(b, n_phys, kp, kvd, 0, None, kp // kvd) if side.attention_groups
-                  else (np.zeros(0, np.uint64), np.zeros(0, np.uint64)))
-    spans: list[tuple[int, int]] = []
-    if side.mamba is not None and side.mamba_groups:
-        spans = list(side.mamba.desc_spans())
-    m_a, m_l = _mamba_part(b[:side.num_ssm_slots], n_log, side.page_size_bytes, spans)
-    return DescTable(addr=np.concatenate([fa_a, m_a]), length=np.concatenate([fa_l, m_l]),
-                     num_fa_descs=int(fa_a.shape[0]), n_phys=n_phys, n_log=n_log)
+    # region order: tensor i -> (K, V) when kvd == 2
+    offs = [h * (kp // kvd) for h in range(kvd)] if side.attention_groups else []
+    return _table(np.asarray(bases, dtype=np.uint64), n_phys=n_log * side.physical_per_logical, n_log=n_log,
+                  kernel_page=kp, fa_offsets=offs, fa_length=kp // kvd, mamba_slots=side.num_ssm_slots,
+                  page=side.page_size_bytes, spans=_mamba_spans(side))
 
 
 def remote_table(p: SideLayout, src: SourceRead, bases: list[int], n_log: int) -> DescTable:
     """The descriptors a D rank builds over one source P rank's memory (vLLM's remote view)."""
-    b = np.asarray(bases, dtype=np.uint64)
     kvd = p.profile.kv_descs_per_block
-    n_phys = n_log * p.physical_per_logical
     kp = p.kernel_page_bytes
+    offs: list[int] = []
+    fa_len = 0
     if p.attention_groups and src.fa is not None:
-        fa_a, fa_l = _fa_part(b, n_phys, kp, kvd, src.fa[0], src.fa_v_offset, src.fa[1])
+        v = src.fa_v_offset if src.fa_v_offset is not None else src.fa[0] + kp // 2
+        offs, fa_len = ([src.fa[0]] if kvd == 1 else [src.fa[0], v]), src.fa[1]
     elif p.attention_groups:
         # this P rank holds no needed heads: same id space, zero-length FA descriptors never referenced
-        fa_a, fa_l = _fa_part(b, n_phys, kp, kvd, 0, None, 0)
-    else:
-        fa_a, fa_l = np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-    spans = list(src.mamba_spans)
-    m_a, m_l = _mamba_part(b[:p.num_ssm_slots], n_log, p.page_size_bytes, spans)
-    return DescTable(addr=np.concatenate([fa_a, m_a]), length=np.concatenate([fa_l, m_l]),
-                     num_fa_descs=int(fa_a.shape[0]), n_phys=n_phys, n_log=n_log)
+        offs = [0] if kvd == 1 else [0, kp // 2]
+    return _table(np.asarray(bases, dtype=np.uint64), n_phys=n_log * p.physical_per_logical, n_log=n_log,
+                  kernel_page=kp, fa_offsets=offs, fa_length=fa_len, mamba_slots=p.num_ssm_slots,
+                  page=p.page_size_bytes, spans=tuple(src.mamba_spans))
 
 
 @dataclass(frozen=True)
@@ -127,13 +131,14 @@ def strided_rows(side: SideLayout, bases: list[int], n_log: int, dev: int = 0) -
             fa = np.stack([starts, np.full_like(starts, ln), np.full_like(starts, dev), np.full_like(starts, kp),
                            np.full_like(starts, n_phys)], axis=1)
         else:  # one row per (region, block)
-            addr = _grid(b, offs, n_phys, kp)
+            addr = np.empty(b.shape[0] * kvd * n_phys, dtype=np.uint64)
+            _grid_into(addr, b, offs, n_phys, kp)
             fa = np.stack([addr, np.full_like(addr, ln), np.full_like(addr, dev), np.full_like(addr, ln),
                            np.ones_like(addr)], axis=1)
         parts.append(fa)
         n_fa = fa.shape[0]
-    if side.mamba is not None and side.mamba_groups:
-        spans = list(side.mamba.desc_spans())
+    spans = _mamba_spans(side)
+    if spans:
         mb = b[:side.num_ssm_slots]
         starts = (mb[:, None] + np.asarray([o for o, _ in spans], dtype=np.uint64)[None, :]).reshape(-1)
         lens = np.tile(np.asarray([ln for _, ln in spans], dtype=np.uint64), mb.shape[0])
@@ -165,26 +170,6 @@ def request_desc_ids(side: SideLayout, table: DescTable, block_ids: list[list[in
             regions = np.arange(side.mamba.regions_per_slot * side.num_ssm_slots, dtype=np.int64)[:, None]
             out.append((table.num_fa_descs + regions * table.n_log + blk[None, :]).reshape(-1))
     return np.concatenate(out) if out else np.zeros(0, np.int64)
-
-
-def loop_local_table(side: SideLayout, bases: list[int], n_log: int) -> list[tuple[int, int]]:
-    """Reference implementation: one descriptor at a time (the bench's baseline)."""
-    kvd = side.profile.kv_descs_per_block
-    n_phys = n_log * side.physical_per_logical
-    kp = side.kernel_page_bytes
-    out: list[tuple[int, int]] = []
-    if side.attention_groups:
-        for base in bases:
-            for half in range(kvd):
-                for blk in range(n_phys):
-                    out.append((base + blk * kp + half * (kp // kvd), kp // kvd))
-    if side.mamba is not None and side.mamba_groups:
-        spans = list(side.mamba.desc_spans())
-        for base in bases[:side.num_ssm_slots]:
-            for off, ln in spans:
-                for blk in range(n_log):
-                    out.append((base + blk * side.page_size_bytes + off, ln))
-    return out
 
 
 def summary(table: DescTable) -> dict[str, Any]:

@@ -92,8 +92,15 @@ def recommended_block(model: ModelSpec, lp: SideLayout, ld: SideLayout) -> int |
     return None
 
 
-def max_model_len(spec: ModelSpec, s: EngineSettings) -> int | None:
-    return s.max_model_len or spec.max_position_embeddings
+def max_model_len(spec: ModelSpec, s: EngineSettings, *, cap: int | None = None) -> int | None:
+    """The max-model-len vLLM runs with: --max-model-len when given, else the model's max_position_embeddings
+    (vLLM's own default), lowered to ``cap`` when one is given (`serve` on cpu launches with at most 4096);
+    None when neither is known. The one answer for `plan`'s ISLs, `serve`'s --max-model-len and `verify`'s
+    probe lengths."""
+    if s.max_model_len:
+        return s.max_model_len
+    mpe = spec.max_position_embeddings
+    return min(mpe, cap) if mpe and cap else mpe
 
 
 def chosen_isls(spec: ModelSpec, s: EngineSettings, isls: tuple[int, ...] | None) -> tuple[int, ...]:

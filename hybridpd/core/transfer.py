@@ -86,11 +86,36 @@ def _source(d: SideLayout, pr: int, fa: Span | None, v_off: int | None, conv: tu
                       local_parts=parts, conv=conv, conv_names=names)
 
 
+def kv_head_token_bytes(side: SideLayout) -> int:
+    """Bytes of one KV head's K (or V) for one token on ``side``: head_size x element size (0 if attention-free)."""
+    return side.attn_bytes_per_token // (2 * side.num_kv_heads) if side.num_kv_heads else 0
+
+
+def kv_head_block_bytes(side: SideLayout) -> int:
+    """Bytes of one KV head's K (or V) over one kernel block: the unit FA head offsets step by."""
+    return side.kernel_block_size * kv_head_token_bytes(side)
+
+
+def fa_descs_per_source(p: SideLayout, blocks: int) -> int:
+    """FA descriptors one FA source moves for a request of ``blocks`` logical blocks:
+    tensors x attention groups x kernel blocks x (K and V, or K+V packed)."""
+    return (p.num_shared_tensors * len(p.attention_groups) * blocks * p.physical_per_logical
+            * p.profile.kv_descs_per_block)
+
+
+def source_request_bytes(p: SideLayout, src: SourceRead, blocks: int) -> tuple[int, tuple[int, ...]]:
+    """What one request moves from one source P rank: (FA bytes, bytes of each Mamba span in ``mamba_spans``
+    order). Every Mamba span moves once per (slot holding SSM state, Mamba group)."""
+    fa = fa_descs_per_source(p, blocks) * src.fa[1] if src.fa is not None and p.attention_groups else 0
+    rows = p.num_ssm_slots * len(p.mamba_groups)
+    return fa, tuple(rows * ln for _, ln in src.mamba_spans)
+
+
 def routes(p: SideLayout, d: SideLayout) -> tuple[RankRoute, ...]:
     """For every D rank: its source P ranks and the byte spans vLLM's descriptors cover."""
     t = tp_ratio(p.tp, d.tp)
     kv_total = d.model.attention.num_kv_heads if (d.model.attention and d.model.attention_layers) else 0
-    per_head_p = p.kernel_block_size * (p.attn_bytes_per_token // (2 * p.num_kv_heads)) if p.num_kv_heads else 0
+    per_head_p = kv_head_block_bytes(p)
     kvd = p.profile.kv_descs_per_block
     out: list[RankRoute] = []
     for r in range(d.tp):
@@ -211,7 +236,6 @@ def request_transfer(p: SideLayout, d: SideLayout, rts: tuple[RankRoute, ...], i
     Ts = p.num_ssm_slots
     G = len(p.mamba_groups)
     kvd = p.profile.kv_descs_per_block
-    ratio = p.physical_per_logical
     # NIXL merges consecutive FA rows only when whole P kernel pages land in whole local pages ("dense"):
     # equal heads per rank on both sides (or <= 1 on both), and no P TP > D TP split over several FA sources
     # (docs/vllm-0.32-nixl-audit.md item 3).  Mamba rows never merge.
@@ -221,14 +245,15 @@ def request_transfer(p: SideLayout, d: SideLayout, rts: tuple[RankRoute, ...], i
         merge = p.profile.coalesces_contiguous_blocks and dense and len(rt.fa_sources) <= 1
         fa_bytes = mamba_bytes = descs = descs_min = 0
         for s in rt.sources:
+            fa_b, span_b = source_request_bytes(p, s, blocks)
+            fa_bytes += fa_b
+            mamba_bytes += sum(span_b)
             if s.fa is not None and p.attention_groups:
-                n_fa = T * len(p.attention_groups) * blocks * ratio * kvd
-                fa_bytes += n_fa * s.fa[1]
+                n_fa = fa_descs_per_source(p, blocks)
                 descs += n_fa
                 descs_min += (T * len(p.attention_groups) * kvd if blocks else 0) if merge else n_fa
             if s.conv is not None and G:
                 n_m = len(s.mamba_spans) * Ts * G  # (sub-projections + SSM) per slot holding SSM state
-                mamba_bytes += Ts * G * s.mamba_bytes
                 descs += n_m
                 descs_min += n_m
         naive = fa_bytes + Ts * G * d.page_size_bytes if d.mamba is not None else fa_bytes

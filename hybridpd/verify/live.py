@@ -10,10 +10,90 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from hybridpd.core.findings import ERROR
+from hybridpd.core.plan import max_model_len
+from hybridpd.kv_params import PREFILL_KV_TRANSFER_PARAMS
 from hybridpd.verify import metrics
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveProbe:
+    """One probe of ``isl`` prompt tokens: D's counter deltas against ``plan.transfer_for(isl)``."""
+
+    isl: int
+    tokens_transferred: int
+    comparison: metrics.Comparison
+
+    @property
+    def ok(self) -> bool:
+        return self.comparison.ok
+
+    @property
+    def mismatches(self) -> tuple[str, ...]:
+        return self.comparison.mismatches
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.comparison.as_dict(), "isl": self.isl, "tokens_transferred": self.tokens_transferred}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveResult:
+    """`verify --decode URL`: every probe's verdict; healthy when all are."""
+
+    model: str
+    decode: str
+    via: str  # "proxy" or "prefill"
+    note: str
+    plan_errors: tuple[str, ...]
+    probes: tuple[LiveProbe, ...]
+    block_size: int
+    block_sizes_not_told_apart: tuple[int, ...]
+
+    mode: ClassVar[str] = "live"
+
+    @property
+    def ok(self) -> bool:
+        return all(p.ok for p in self.probes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "model": self.model, "decode": self.decode, "via": self.via, "note": self.note,
+                "plan_errors": list(self.plan_errors), "probes": [p.as_dict() for p in self.probes],
+                "block_size": self.block_size, "block_sizes_not_told_apart": list(self.block_sizes_not_told_apart),
+                "ok": self.ok}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassiveResult:
+    """`verify --passive`: counter deltas over a window against the plan's bounds for the prompt lengths seen
+    (approximate: the lengths come from histogram buckets)."""
+
+    window_s: float
+    requests: int
+    expected_bytes_min: int
+    expected_bytes_max: int
+    moved_bytes: int
+    failures: Mapping[str, int]
+    note: str
+    plan_errors: tuple[str, ...]
+    mismatches: tuple[str, ...]
+
+    mode: ClassVar[str] = "passive"
+    approximate: ClassVar[bool] = True
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "approximate": self.approximate, "window_s": self.window_s,
+                "requests": self.requests, "expected_bytes_min": self.expected_bytes_min,
+                "expected_bytes_max": self.expected_bytes_max, "moved_bytes": self.moved_bytes,
+                "failures": dict(self.failures), "note": self.note, "plan_errors": list(self.plan_errors),
+                "mismatches": list(self.mismatches), "ok": self.ok}
 
 
 def prompt_ids(n: int) -> list[int]:
@@ -39,8 +119,7 @@ def send_probe(decode_url: str, other_url: str, model_name: str, isl: int, *, pr
     if proxy:
         return {"proxy": _post(other_url, {"model": model_name, "prompt": prompt, "max_tokens": 1}, timeout)}
     p_body = {"model": model_name, "prompt": prompt, "max_tokens": 1,
-              "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                                     "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+              "kv_transfer_params": dict(PREFILL_KV_TRANSFER_PARAMS)}
     p_resp = _post(other_url, p_body, timeout)
     params = p_resp.get("kv_transfer_params")
     if params is None:
@@ -55,8 +134,8 @@ def _plan_errors(plan: Any) -> list[str]:
 
 
 def run_probe(decode_url: str, other_url: str, plan: Any, isl: int, model_name: str, *, proxy: bool = False,
-              token_ids: bool = True, settle_s: float = 0.5) -> dict[str, Any]:
-    """One probe of ``isl`` tokens; returns the comparison of D's metric deltas with plan.transfer_for(isl)."""
+              token_ids: bool = True, settle_s: float = 0.5) -> LiveProbe:
+    """One probe of ``isl`` tokens: D's metric deltas compared with plan.transfer_for(isl)."""
     before = metrics.snapshot(decode_url)
     send_probe(decode_url, other_url, model_name, isl, proxy=proxy, token_ids=token_ids)
     after = metrics.snapshot(decode_url)
@@ -68,9 +147,7 @@ def run_probe(decode_url: str, other_url: str, plan: Any, isl: int, model_name: 
     errs = _plan_errors(plan)
     res = metrics.compare(metrics.delta(before, after), metrics.expected_for(plan, isl), plan_ok=not errs,
                           plan_errors=errs)
-    res["isl"] = isl
-    res["tokens_transferred"] = plan.transfer_for(isl).tokens_transferred
-    return res
+    return LiveProbe(isl=isl, tokens_transferred=plan.transfer_for(isl).tokens_transferred, comparison=res)
 
 
 def _padded(tokens: int, block: int) -> int:
@@ -97,7 +174,7 @@ def choose_isls(plan: Any, *, max_probes: int = 3) -> tuple[list[int], list[int]
     b = plan.prefill.block_size
     if plan.routes is None:
         return [b + b // 2], []
-    cap = (plan.prefill.settings.max_model_len or plan.model.max_position_embeddings or 1 << 30) - 8
+    cap = (max_model_len(plan.model, plan.prefill.settings) or 1 << 30) - 8  # limit unknown: lengths uncapped
     off = max(0, (b + 2) - plan.transfer_for(b + 2).tokens_transferred)  # P's backoff (hybrid: 1 token)
     cands: dict[int, int] = {}
     for k in range(1, 9):
@@ -132,7 +209,7 @@ def default_isls(plan: Any) -> list[int]:
 
 def run_probes(decode_url: str, plan: Any, model_name: str, *, isls: list[int] | None = None,
                prefill_url: str | None = None, proxy_url: str | None = None,
-               token_ids: bool = True) -> dict[str, Any]:
+               token_ids: bool = True) -> LiveResult:
     from hybridpd.errors import UsageError
 
     if not (prefill_url or proxy_url):
@@ -144,13 +221,12 @@ def run_probes(decode_url: str, plan: Any, model_name: str, *, isls: list[int] |
         isls, blind = choose_isls(plan)
     probes = [run_probe(decode_url, proxy_url or prefill_url or "", plan, n, model_name, proxy=bool(proxy_url),
                         token_ids=token_ids) for n in isls]
-    return {"mode": "live", "model": plan.model.model_id, "decode": decode_url, "via": "proxy" if proxy_url
-            else "prefill", "note": metrics.POOLING_NOTE, "plan_errors": _plan_errors(plan), "probes": probes,
-            "block_size": plan.prefill.block_size, "block_sizes_not_told_apart": blind,
-            "ok": all(p["ok"] for p in probes)}
+    return LiveResult(model=plan.model.model_id, decode=decode_url, via="proxy" if proxy_url else "prefill",
+                      note=metrics.POOLING_NOTE, plan_errors=tuple(_plan_errors(plan)), probes=tuple(probes),
+                      block_size=plan.prefill.block_size, block_sizes_not_told_apart=tuple(blind))
 
 
-def run_passive(decode_url: str, plan: Any, window: float) -> dict[str, Any]:
+def run_passive(decode_url: str, plan: Any, window: float) -> PassiveResult:
     before = metrics.snapshot(decode_url)
     time.sleep(window)
     after = metrics.snapshot(decode_url)
@@ -158,9 +234,9 @@ def run_passive(decode_url: str, plan: Any, window: float) -> dict[str, Any]:
     return passive_verdict(d, plan, window)
 
 
-def passive_verdict(d: dict[str, float], plan: Any, window: float) -> dict[str, Any]:
+def passive_verdict(d: dict[str, float], plan: Any, window: float) -> PassiveResult:
     hist = metrics.prompt_histogram(d)
-    max_len = plan.prefill.settings.max_model_len or plan.model.max_position_embeddings or 131072
+    max_len = max_model_len(plan.model, plan.prefill.settings) or 131072  # unknown: a finite top for +Inf bucket
     n, lo, hi = metrics.passive_bounds(plan, hist, max_len)
     moved = int(round(d.get("vllm:nixl_bytes_transferred_sum", 0.0)))
     fails = {k: int(round(d.get(k, 0.0))) for k in metrics.FAILURE_SERIES}
@@ -171,6 +247,5 @@ def passive_verdict(d: dict[str, float], plan: Any, window: float) -> dict[str, 
     errs = _plan_errors(plan)
     if errs:
         mism.append("the plan has error findings: not healthy even if the counters match")
-    return {"mode": "passive", "approximate": True, "window_s": window, "requests": n, "expected_bytes_min": lo,
-            "expected_bytes_max": hi, "moved_bytes": moved, "failures": fails, "note": metrics.POOLING_NOTE,
-            "plan_errors": errs, "mismatches": mism, "ok": not mism}
+    return PassiveResult(window_s=window, requests=n, expected_bytes_min=lo, expected_bytes_max=hi, moved_bytes=moved,
+                         failures=fails, note=metrics.POOLING_NOTE, plan_errors=tuple(errs), mismatches=tuple(mism))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,9 +80,35 @@ def expected_for(plan: Any, isl: int) -> Expected:
     return Expected(bytes=t.bytes, descriptors_min=t.descriptors_min, descriptors=t.descriptors, reads=t.reads)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Comparison:
+    """D's NIXL counter deltas over one (or ``requests``) probe(s) against the plan's prediction."""
+
+    expected_bytes: int
+    moved_bytes: int
+    expected_descriptors: int
+    expected_descriptors_min: int
+    moved_descriptors: int
+    expected_transfers: int
+    transfers: int
+    failures: Mapping[str, int]
+    mismatches: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"expected_bytes": self.expected_bytes, "moved_bytes": self.moved_bytes,
+                "expected_descriptors": self.expected_descriptors,
+                "expected_descriptors_min": self.expected_descriptors_min, "moved_descriptors": self.moved_descriptors,
+                "expected_transfers": self.expected_transfers, "transfers": self.transfers,
+                "failures": dict(self.failures), "mismatches": list(self.mismatches), "ok": self.ok}
+
+
 def compare(d: dict[str, float], exp: Expected, *, plan_ok: bool = True, plan_errors: list[str] | None = None,
-            requests: int = 1) -> dict[str, Any]:
-    """Deltas of one (or ``requests``) probe(s) against the plan. Returns ok + the mismatches."""
+            requests: int = 1) -> Comparison:
+    """Deltas of one (or ``requests``) probe(s) against the plan. ``ok`` unless there are mismatches."""
     moved = int(round(d.get("vllm:nixl_bytes_transferred_sum", 0.0)))
     count = int(round(d.get("vllm:nixl_bytes_transferred_count", 0.0)))
     descs = int(round(d.get("vllm:nixl_num_descriptors_sum", 0.0)))
@@ -100,11 +127,11 @@ def compare(d: dict[str, float], exp: Expected, *, plan_ok: bool = True, plan_er
     if not plan_ok:
         mism.append("the plan has error findings (" + "; ".join(plan_errors or []) + "): not healthy even if the "
                     "counters match")
-    return {"expected_bytes": exp.bytes * requests, "moved_bytes": moved,
-            "expected_descriptors": exp.descriptors * requests,
-            "expected_descriptors_min": exp.descriptors_min * requests, "moved_descriptors": descs,
-            "expected_transfers": exp.reads * requests, "transfers": count, "failures": fails,
-            "mismatches": mism, "ok": not mism}
+    return Comparison(expected_bytes=exp.bytes * requests, moved_bytes=moved,
+                      expected_descriptors=exp.descriptors * requests,
+                      expected_descriptors_min=exp.descriptors_min * requests, moved_descriptors=descs,
+                      expected_transfers=exp.reads * requests, transfers=count, failures=fails,
+                      mismatches=tuple(mism))
 
 
 def prompt_histogram(d: dict[str, float]) -> list[tuple[float, float]]:

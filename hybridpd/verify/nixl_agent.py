@@ -6,7 +6,7 @@ registers them with NIXL as VRAM. Prefill ranks fill their KV-cache tensors, reg
 notifications: agents run without a progress thread, see nixl-notes gotchas 1-2). Decode ranks register
 theirs, add the P agents' metadata, prep the descriptor views exactly as vLLM does (``prep_xfer_dlist`` over
 the full tables, ``make_prepped_xfer`` with the request's desc ids, one READ per source P rank) and check the
-result in-process (``rehearsal.rank_result``). The parent only relays metadata and collects verdicts.
+result in-process (``verdict.rank_result``). The parent only relays metadata and collects verdicts.
 
 The NIXL calls themselves live in ``hybridpd.verify.nixl_wrap``; ``RankProcesses``, ``serve`` and ``connect`` are
 the process plumbing the bench scripts reuse (``bench/_nixl_bench.py``: the calibration sweep and the
@@ -22,7 +22,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from hybridpd.verify.nixl_wrap import (
     set_env,
 )
 from hybridpd.verify.rehearsal import Setup
+from hybridpd.verify.verdict import RankResult, UcxReport
 
 __all__ = ["TIMEOUT_S", "BenchContext", "Peer", "Placement", "RankProcesses", "check_devices", "connect", "nixl_available",
            "parse_device", "pin", "run_nixl", "serve", "ucx_report"]
@@ -135,14 +136,14 @@ class RankProcesses:
             pr.join(timeout=10)
 
 
-def ucx_report(path: str | Path) -> dict[str, Any]:
+def ucx_report(path: str | Path) -> UcxReport:
     """The transports and operations UCX chose for READs, and its warnings, from a rank's UCX log."""
     try:
         text = Path(path).read_text(errors="replace")
     except OSError:
         text = ""
-    return {"read_transports": ucx_info.read_transports(text), "read_operations": ucx_info.read_operations(text),
-            "warnings": ucx_info.warnings(text)}
+    return UcxReport(read_transports=tuple(ucx_info.read_transports(text)),
+                     read_operations=tuple(ucx_info.read_operations(text)), warnings=tuple(ucx_info.warnings(text)))
 
 
 def serve(conn: Connection, name: str, memory: Memory, timeout_s: float = TIMEOUT_S) -> None:
@@ -197,7 +198,8 @@ def _decode_main(conn: Connection, setup: Setup, rank: int, repeat: int, pl: Pla
     try:
         set_env(pl.on_gpu, ucx_log)
         pin(8 + rank)
-        from hybridpd.verify.rehearsal import init_decode, rank_result, transfer_views
+        from hybridpd.verify.rehearsal import init_decode, transfer_views
+        from hybridpd.verify.verdict import rank_result
 
         memory = Memory(init_decode(setup), pl.d)
         agent, reg, peers, names = connect(conn, f"d{rank}", memory)
@@ -212,16 +214,15 @@ def _decode_main(conn: Connection, setup: Setup, rank: int, repeat: int, pl: Pla
             elapsed, tel = reader.read(f"d{rank}-done".encode() if it == n - 1 else b"")
             times.append(elapsed)
         after = memory.host()
-        res = rank_result(setup, rank, views, after, p_bases, telemetry=tel, elapsed_s=times[-1])
-        res["first_elapsed_s"] = times[0]
-        res["read_times_s"] = times
-        res["memory"] = memory.mem
+        res = replace(rank_result(setup, rank, views, after, p_bases, telemetry=tel, elapsed_s=times[-1]),
+                      first_elapsed_s=times[0], read_times_s=tuple(times), memory=memory.mem)
         if bench is not None:
             # timed one D rank at a time (the parent says when): in production each D rank has its own GPU
             # (or cores), while here several share them
             conn.send(("verified", None))
             conn.recv()
-            res["bench"] = bench(BenchContext(reader=reader, memory=memory, reference=after, repeat=n, peers=peers))
+            res = replace(res, bench=bench(BenchContext(reader=reader, memory=memory, reference=after, repeat=n,
+                                                        peers=peers)))
         reader.close()
         agent.deregister_memory(reg)
         conn.send(("result", res))
@@ -230,7 +231,7 @@ def _decode_main(conn: Connection, setup: Setup, rank: int, repeat: int, pl: Pla
 
 
 def run_nixl(setup: Setup, *, repeat: int = 1, device: Placement | None = None,
-             bench: BenchHook | None = None) -> list[dict[str, Any]]:
+             bench: BenchHook | None = None) -> list[RankResult]:
     """Spawn P and D rank processes, run the READs, return the per-D-rank verdicts.
 
     Each D rank reads ``repeat`` times (the last READ is the one checked). Every verdict gets ``ucx`` (the
@@ -253,7 +254,7 @@ def run_nixl(setup: Setup, *, repeat: int = 1, device: Placement | None = None,
         if bench is not None:
             for r, c in d_conns.items():
                 rp.recv(c, f"decode rank {r}")
-            results = []
+            results: list[RankResult] = []
             for r, c in d_conns.items():
                 c.send("go")
                 results.append(rp.recv(c, f"decode rank {r}")[1])
@@ -264,6 +265,4 @@ def run_nixl(setup: Setup, *, repeat: int = 1, device: Placement | None = None,
         for r, c in p_conns.items():
             rp.recv(c, f"prefill rank {r}")
         rp.join()
-        for r, res in enumerate(results):
-            res["ucx"] = ucx_report(rp.log(f"d{r}"))
-        return results
+        return [replace(res, ucx=ucx_report(rp.log(f"d{r}"))) for r, res in enumerate(results)]

@@ -11,24 +11,24 @@ Pure logic (numpy only, no NIXL) so it can be unit tested:
   SSM heads and KV heads; padding and other blocks untouched);
 * ``transfer_views`` builds vLLM's descriptor views and desc-id lists from the plan (``descriptors.py``),
   optionally with an injected fault;
-* ``diff_decode`` / ``account`` turn the D buffers and the moved descriptors into mismatches that name
-  the rank, tensor, block and region.
+* ``numpy_read`` does the READs with numpy copies.
 
-``hybridpd.verify.nixl_agent`` runs one process per rank and does the READs.
+``hybridpd.verify.verdict`` checks D's buffers and the moved descriptors (naming the rank, tensor, block and
+region) and runs the whole rehearsal in memory; ``hybridpd.verify.nixl_agent`` runs one process per rank and does
+the READs over NIXL.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from hybridpd.core.descriptors import DescTable, _fa_part, _mamba_part, local_table, remote_table, request_desc_ids
+from hybridpd.core.descriptors import DescTable, local_table, remote_table, request_desc_ids
 from hybridpd.core.findings import ERROR
 from hybridpd.core.layout import SideLayout, cdiv
 from hybridpd.core.plan import Plan
-from hybridpd.core.transfer import SourceRead, kv_heads_of_rank, tokens_transferred
+from hybridpd.core.transfer import SourceRead, kv_head_token_bytes, kv_heads_of_rank, tokens_transferred
 from hybridpd.errors import UsageError
 
 P_PAD = 0xAB  # P's Mamba page padding
@@ -38,13 +38,13 @@ D_INIT = 0x5A  # every D byte before the READ
 DEFAULT_BLOCKS = 64
 DEFAULT_MAX_RANK_BYTES = 64 * 1024 * 1024
 COMPONENTS = ("FA", "x", "B", "C", "SSM")  # Mamba2's; components_of() gives each model's
+INJECTIONS = ("offset", "length")
+ALLOWED_ERRORS = {"conv-state-corruption"}  # vLLM runs these; the rehearsal must show the damage
 
 
 def components_of(side: SideLayout) -> tuple[str, ...]:
     """FA, then the model's conv sub-projections (x|B|C, x, or Q|K|V), then SSM."""
     return ("FA", *side.mamba.part_names, "SSM") if side.mamba is not None else COMPONENTS
-INJECTIONS = ("offset", "length")
-ALLOWED_ERRORS = {"conv-state-corruption"}  # vLLM runs these; the rehearsal must show the damage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,18 +134,12 @@ def make_setup(plan: Plan, *, num_blocks: int | None = None, isl: int | None = N
 # ------------------------------------------------------------------------------ the full-model state
 
 
-def _fa_geometry(side: SideLayout) -> tuple[int, int, int]:
-    """(total KV heads, bytes of one head's K (or V) over one kernel block, kernel block tokens)."""
-    attn = side.model.attention
-    assert attn is not None and side.num_kv_heads
-    hb = side.attn_bytes_per_token // (2 * side.num_kv_heads)  # head_size * elem
-    return attn.num_kv_heads, hb, side.kernel_block_size
-
-
 def full_fa(s: Setup, slot: int, group: int, j: int) -> np.ndarray:
     """TP=1 K/V of block j of the request: (ratio, heads, 2, kernel_block, head_bytes) uint8."""
     p = s.p
-    H, hb, kbs = _fa_geometry(p)
+    attn = p.model.attention
+    assert attn is not None and p.num_kv_heads
+    H, hb, kbs = attn.num_kv_heads, kv_head_token_bytes(p), p.kernel_block_size
     ratio = p.physical_per_logical
     rng = np.random.default_rng([s.seed, 2, slot, group, j])
     a = rng.integers(0, 256, (ratio, H, 2, kbs, hb), dtype=np.uint8)
@@ -244,27 +238,20 @@ class SourceView:
 
 def _local_table_for(d: SideLayout, src: SourceRead, fa_index: int, n_fa: int, bases: list[int],
                      n_log: int) -> DescTable:
-    """D's local view for one source: the whole local table, or its 1/k sub-regions when P TP > D TP."""
+    """D's local view for one source: the whole local table, or, when P TP > D TP, each of its descriptors cut to
+    the part this source fills: FA descriptors to the ``fa_index``-th of ``n_fa`` parts (zero length when the
+    source holds no needed heads), Mamba descriptors to the ``local_slot``-th of ``local_parts`` parts."""
+    full = local_table(d, bases, n_log)
     if src.local_parts == 1:
-        return local_table(d, bases, n_log)
-    b = np.asarray(bases, dtype=np.uint64)
-    kvd = d.profile.kv_descs_per_block
-    n_phys = n_log * d.physical_per_logical
-    kp = d.kernel_page_bytes
-    if d.attention_groups:
-        ln = (kp // kvd) // max(n_fa, 1) if src.fa is not None else 0
-        off = fa_index * ln if src.fa is not None else 0
-        fa_a, fa_l = _fa_part(b, n_phys, kp, kvd, off, (kp // 2 + off) if kvd == 2 else None, ln)
-    else:
-        fa_a, fa_l = np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-    spans: list[tuple[int, int]] = []
-    if d.mamba is not None and d.mamba_groups:
-        full = list(d.mamba.desc_spans())
-        k, j = src.local_parts, src.local_slot
-        spans = [(o + j * (ln // k), ln // k) for o, ln in full]
-    m_a, m_l = _mamba_part(b, n_log, d.page_size_bytes, spans)
-    return DescTable(addr=np.concatenate([fa_a, m_a]), length=np.concatenate([fa_l, m_l]),
-                     num_fa_descs=int(fa_a.shape[0]), n_phys=n_phys, n_log=n_log)
+        return full
+    addr, length = full.addr.copy(), full.length.copy()
+    nf = full.num_fa_descs
+    ln = (d.kernel_page_bytes // d.profile.kv_descs_per_block) // max(n_fa, 1) if src.fa is not None else 0
+    addr[:nf] += np.uint64(fa_index * ln if src.fa is not None else 0)
+    length[:nf] = ln
+    length[nf:] //= np.uint64(src.local_parts)
+    addr[nf:] += np.uint64(src.local_slot) * length[nf:]
+    return DescTable(addr=addr, length=length, num_fa_descs=nf, n_phys=full.n_phys, n_log=full.n_log)
 
 
 def _components(table: DescTable, ids: np.ndarray, names: tuple[str, ...]) -> tuple[str, ...]:
@@ -345,214 +332,3 @@ def numpy_read(views: list[SourceView], p_tensors: dict[int, list[np.ndarray]], 
             dt, do = locate(int(v.local.addr[lid]), d_bases, d_tensors)
             st, so = locate(int(v.remote.addr[rid]), p_bases[v.p_rank], p_tensors[v.p_rank])
             dt[do:do + n] = st[so:so + n]
-
-
-# -------------------------------------------------------------------------------------- the checks
-
-
-def _region(s: Setup, block: int, off: int) -> tuple[str, str, str]:
-    """(component, detail, group) of byte ``off`` inside D's page of logical ``block``."""
-    d = s.d
-    for g, ids in zip(d.groups, s.d_blocks, strict=True):
-        if block not in ids:
-            continue
-        gname = f"group {g.index} ({g.kind})"
-        if g.kind == "attention":
-            kp = d.kernel_page_bytes
-            k, o = divmod(off, kp)
-            H, hb, kbs = _fa_geometry(d)
-            per_head = kbs * hb
-            if d.profile.kv_descs_per_block == 2:
-                kv, o2 = divmod(o, kp // 2)
-                head = o2 // per_head
-            else:
-                head, o2 = divmod(o, 2 * per_head)
-                kv = o2 // per_head
-            return "FA", f"kernel block {k}, local KV head {head} {'KV'[kv]}", gname
-        assert d.mamba is not None
-        c = d.mamba.conv
-        for (start, length), name in zip(c.local_offsets(), c.names, strict=True):
-            if off < start + length:
-                return name, f"local {name} channel {(off - start) // c.row_bytes}", gname
-        if off < d.mamba_page_bytes:
-            return "SSM", f"local SSM head {(off - c.nbytes) // d.mamba.ssm_row_bytes}", gname
-        return "padding", "Mamba page padding", gname
-    return "other", "block outside the request", "no group"
-
-
-def _bounds(s: Setup, block: int) -> tuple[list[int], list[str]]:
-    """Region boundaries inside D's page of ``block`` (vectorised classification)."""
-    d = s.d
-    for g, ids in zip(d.groups, s.d_blocks, strict=True):
-        if block in ids:
-            if g.kind == "attention":
-                return [0], ["FA"]
-            assert d.mamba is not None
-            c = d.mamba.conv
-            return ([o for o, _ in c.local_offsets()] + [c.nbytes, d.mamba_page_bytes],
-                    [*c.names, "SSM", "padding"])
-    return [0], ["other"]
-
-
-def diff_decode(s: Setup, rank: int, actual: list[np.ndarray], expected: list[np.ndarray],
-                limit: int = 200) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Mismatching runs as dicts naming tensor, block and region; plus mismatched bytes per component."""
-    page = s.d.page_size_bytes
-    runs: list[dict[str, Any]] = []
-    per_comp: dict[str, int] = {}
-    pages_bad: dict[str, int] = {}
-    for ti, (a, e) in enumerate(zip(actual, expected, strict=True)):
-        bad = np.flatnonzero(a != e)
-        if bad.size == 0:
-            continue
-        blocks = bad // page
-        for b in np.unique(blocks).tolist():
-            offs = bad[blocks == b] - b * page
-            bounds, comps = _bounds(s, b)
-            idx = np.searchsorted(np.asarray(bounds), offs, side="right") - 1
-            for ci in np.unique(idx).tolist():
-                sel = offs[idx == ci]
-                comp = comps[ci]
-                n = int(sel.size)
-                first = int(sel[0])
-                _, detail, g = _region(s, b, first)
-                per_comp[comp] = per_comp.get(comp, 0) + n
-                pages_bad[comp] = pages_bad.get(comp, 0) + 1
-                if len(runs) < limit:
-                    runs.append({"rank": rank, "tensor": ti, "block": b, "group": g, "region": comp,
-                                 "bytes": n, "first_offset": first, "where": detail,
-                                 "message": f"D rank {rank}: region {comp} of tensor {ti} block {b} ({g}): "
-                                            f"{n:,} bytes differ from the TP=1 ground truth, first at page "
-                                            f"offset {first:,} ({detail})"})
-    for comp, n in pages_bad.items():
-        per_comp[f"{comp}_pages"] = n
-    return runs, per_comp
-
-
-def expected_components(s: Setup, rank: int) -> dict[str, int]:
-    """Bytes per component the plan's route moves for D ``rank`` (one request)."""
-    assert s.plan.routes is not None
-    p = s.p
-    T = p.num_shared_tensors
-    L = cdiv(s.n_tok, p.block_size)
-    out = dict.fromkeys(components_of(p), 0)
-    for src in s.plan.routes[rank].sources:
-        if src.fa is not None:
-            out["FA"] += T * len(p.attention_groups) * L * p.physical_per_logical * p.profile.kv_descs_per_block \
-                * src.fa[1]
-        if src.conv is not None:
-            G = len(p.mamba_groups)
-            for name, sp in zip(components_of(p)[1:], src.mamba_spans, strict=True):
-                out[name] += p.num_ssm_slots * G * sp[1]
-    return out
-
-
-def moved_components(views: list[SourceView], names: tuple[str, ...] = COMPONENTS) -> tuple[dict[str, int], int]:
-    out = dict.fromkeys(names, 0)
-    n = 0
-    for v in views:
-        lens = v.remote.length[v.remote_ids]
-        for c, ln in zip(v.components, lens.tolist(), strict=True):
-            out[c] += int(ln)
-        n += len(v.components)
-    return out, n
-
-
-def padding_moved(s: Setup, views: list[SourceView], p_bases: dict[int, list[int]]) -> int:
-    """Bytes of P's Mamba padding that the remote descriptors cover (must be 0)."""
-    p = s.p
-    if not p.mamba_groups or not p.padding_bytes:
-        return 0
-    page = p.page_size_bytes
-    total = 0
-    for v in views:
-        bases = p_bases[v.p_rank]
-        for rid, comp in zip(v.remote_ids.tolist(), v.components, strict=True):
-            if comp == "FA":
-                continue
-            a, ln = int(v.remote.addr[rid]), int(v.remote.length[rid])
-            base = next(b for b in bases if b <= a < b + s.n_log * page)
-            o = (a - base) % page
-            total += max(0, min(o + ln, page) - max(o, p.mamba_page_bytes))
-    return total
-
-
-def rank_result(s: Setup, rank: int, views: list[SourceView], actual: list[np.ndarray],
-                p_bases: dict[int, list[int]], telemetry: dict[str, int] | None = None,
-                elapsed_s: float | None = None) -> dict[str, Any]:
-    """Semantic + accounting verdict for one D rank."""
-    plan_rank = s.plan.transfer_for(s.isl).per_rank[rank]
-    expected = expected_decode(s, rank)
-    runs, per_comp_bad = diff_decode(s, rank, actual, expected)
-    exp_c = expected_components(s, rank)
-    mov_c, n_desc = moved_components(views, components_of(s.p))
-    moved = sum(mov_c.values())
-    pad = padding_moved(s, views, p_bases)
-    mism: list[str] = []
-    pages_of = {k[:-6]: v for k, v in per_comp_bad.items() if k.endswith("_pages")}
-    per_comp_bad = {k: v for k, v in per_comp_bad.items() if not k.endswith("_pages")}
-    for comp, nbad in per_comp_bad.items():
-        ex = [r for r in runs if r["region"] == comp]
-        pages = pages_of[comp]
-        eg = (f"; first: tensor {ex[0]['tensor']} block {ex[0]['block']} ({ex[0]['group']}) at page offset "
-              f"{ex[0]['first_offset']:,} ({ex[0]['where']})") if ex else ""
-        mism.append(f"D rank {rank}: region {comp}: {nbad:,} bytes differ from the TP=1 ground truth"
-                    f" (in {pages} pages){eg}")
-    if moved != plan_rank.bytes:
-        mism.append(f"D rank {rank}: moved {moved:,} B, plan predicts {plan_rank.bytes:,} B")
-    for c in components_of(s.p):
-        if mov_c[c] != exp_c[c]:
-            mism.append(f"D rank {rank}: region {c}: moved {mov_c[c]:,} B, plan predicts {exp_c[c]:,} B")
-    if not plan_rank.descriptors_min <= n_desc <= plan_rank.descriptors:
-        mism.append(f"D rank {rank}: {n_desc} descriptors, plan predicts "
-                    f"[{plan_rank.descriptors_min}, {plan_rank.descriptors}]")
-    if len(views) != plan_rank.reads:
-        mism.append(f"D rank {rank}: {len(views)} READs, plan predicts {plan_rank.reads}")
-    if pad:
-        mism.append(f"D rank {rank}: {pad:,} B of P's Mamba padding were moved")
-    if telemetry:
-        if telemetry.get("bytes") is not None and telemetry["bytes"] != moved:
-            mism.append(f"D rank {rank}: NIXL telemetry says {telemetry['bytes']:,} B, descriptors say {moved:,} B")
-    return {"rank": rank, "expected_bytes": plan_rank.bytes, "moved_bytes": moved,
-            "expected_descriptors": plan_rank.descriptors, "expected_descriptors_min": plan_rank.descriptors_min,
-            "moved_descriptors": n_desc, "reads": len(views), "expected_reads": plan_rank.reads,
-            "expected_components": exp_c, "moved_components": mov_c, "mismatched_bytes": per_comp_bad,
-            "padding_bytes_moved": pad, "telemetry": telemetry, "elapsed_s": elapsed_s,
-            "injected": [v.injected for v in views if v.injected],
-            "sources": [v.p_rank for v in views], "mismatch_runs": runs, "mismatches": mism,
-            "ok": not mism}
-
-
-def run_in_memory(s: Setup) -> list[dict[str, Any]]:
-    """The whole rehearsal with numpy copies instead of NIXL (tests, and `--transport numpy`)."""
-    p_tensors = {r: fill_prefill(s, r) for r in range(s.p.tp)}
-    p_bases = {r: [t.ctypes.data for t in ts] for r, ts in p_tensors.items()}
-    out = []
-    for r in range(s.d.tp):
-        d_tensors = init_decode(s)
-        d_bases = [t.ctypes.data for t in d_tensors]
-        views = transfer_views(s, r, p_bases, d_bases)
-        numpy_read(views, p_tensors, p_bases, d_tensors, d_bases)
-        out.append(rank_result(s, r, views, d_tensors, p_bases))
-    return out
-
-
-def summarize(s: Setup, per_rank: list[dict[str, Any]], transport: str, memory: str = "DRAM") -> dict[str, Any]:
-    t = s.plan.transfer_for(s.isl)
-    ucx = [r.get("ucx") or {} for r in per_rank]
-
-    def union(key: str) -> list[str]:
-        return list(dict.fromkeys(v for u in ucx for v in u.get(key, [])))
-
-    return {
-        "mode": "rehearse", "transport": transport, "memory": memory,
-        "ucx_read_transports": union("read_transports"), "ucx_read_operations": union("read_operations"),
-        "ucx_warnings": union("warnings"), "model": s.plan.model.model_id,
-        "vllm_profile": s.plan.profile.name, "ptp": s.p.tp, "dtp": s.d.tp, "isl": s.isl,
-        "tokens_transferred": s.n_tok, "logical_blocks": t.logical_blocks, "num_blocks": s.n_log,
-        "block_size": s.p.block_size, "page_size_bytes": s.p.page_size_bytes, "seed": s.seed, "inject": s.inject,
-        "p_block_ids": [list(b) for b in s.p_blocks], "d_block_ids": [list(b) for b in s.d_blocks],
-        "findings": [f.as_dict() for f in s.plan.findings if f.severity == ERROR],
-        "notes": list(s.notes), "per_rank": per_rank, "ok": all(r["ok"] for r in per_rank),
-    }
-

@@ -102,7 +102,7 @@ def _plain(ctx: Ctx) -> list[dict[str, Any]]:
     name = f"{ctx.opts.name}-proxy"
     labels = {"app.kubernetes.io/name": name}
     proxy = {
-        "name": "proxy", "image": ctx.opts.proxy_image, "command": ["python", "-m", "hybridpd.launch.proxy"],
+        "name": "proxy", "image": ctx.opts.proxy_image, "command": ["python", "-m", "hybridpd_cli", "proxy"],
         "args": ["--host", "0.0.0.0", "--port", str(PLAIN_PORT), "--policy", policy,
                  "--prefill", urls["prefill"], "--decode", urls["decode"]],
         "ports": [{"name": "http", "containerPort": PLAIN_PORT, "protocol": "TCP"}],

@@ -6,7 +6,7 @@ Public API::
     from hybridpd.launch.proxy import ProxyConfig, build_app, run_proxy
     run_proxy(ProxyConfig(prefill_urls=("http://127.0.0.1:8100",), decode_urls=("http://127.0.0.1:8200",)))
 
-or ``python -m hybridpd.launch.proxy --prefill URL --decode URL``.
+or, from the command line, ``hybridpd proxy --prefill URL --decode URL``.
 """
 
 from hybridpd.launch.proxy.app import ProxyState, build_app, proxy_state

@@ -1,4 +1,4 @@
-"""Backend health probes and P's KV-lease counters, the periodic part of a proxy (``ProxyState`` mixes it in).
+"""Backend health probes and P's KV-lease counters: the periodic part of a proxy (``ProxyState.health``).
 
 Every ``health_interval_s`` (and from ``GET /health`` when the last round is older than ``health_max_age_s``)
 each backend gets ``GET /health``: a refused connection ejects at once (the process is gone), other failures
@@ -8,7 +8,9 @@ after ``unhealthy_after`` in a row. The periodic round also scrapes each P's ``/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 
 import aiohttp
 
@@ -16,27 +18,37 @@ from hybridpd.launch.proxy.config import ProxyConfig
 from hybridpd.launch.proxy.kvwatch import KV_LEASE_COUNTERS, LeaseWatch, parse_counters
 from hybridpd.launch.proxy.metrics import ProxyMetrics
 from hybridpd.launch.proxy.pool import Backend, BackendPool
+from hybridpd.launch.proxy.upstream import Upstream
 
 log = logging.getLogger("hybridpd.launch.proxy")
 
 
 class HealthProbes:
-    """Probe and lease-watch methods; the attributes below are set by ``ProxyState.__init__``."""
+    """The health task of one proxy (``start`` / ``stop``) and the probe rounds, on the upstream session."""
 
-    config: ProxyConfig
-    prefill: BackendPool
-    decode: BackendPool
-    metrics: ProxyMetrics
-    leases: LeaseWatch
-    _probe_round: asyncio.Task[None] | None
-    _last_probe: float
+    def __init__(self, upstream: Upstream, prefill: BackendPool, decode: BackendPool, leases: LeaseWatch) -> None:
+        self.upstream = upstream
+        self.config: ProxyConfig = upstream.config
+        self.metrics: ProxyMetrics = upstream.metrics
+        self.prefill, self.decode = prefill, decode
+        self.leases = leases
+        self._task: asyncio.Task[None] | None = None
+        self._probe_round: asyncio.Task[None] | None = None
+        #: Loop time at which the last completed ``GET /health`` round started.
+        self.last_probe = -math.inf
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        raise NotImplementedError
+    async def start(self) -> None:
+        """One round first (bounded by ``health_timeout_s``: know who is up before the first request), then one
+        every ``health_interval_s``."""
+        await self.probe_all()
+        self._task = asyncio.create_task(self._health_loop(), name="hybridpd-proxy-health")
 
-    def _auth_headers(self) -> dict[str, str]:
-        raise NotImplementedError
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
 
     async def _health_loop(self) -> None:
         while True:
@@ -64,7 +76,7 @@ class HealthProbes:
     async def _probe_health_round(self) -> None:
         started = asyncio.get_running_loop().time()
         await asyncio.gather(*(self._probe(pool, b) for pool in (self.prefill, self.decode) for b in pool.backends))
-        self._last_probe = started
+        self.last_probe = started
 
     async def _scrape_leases(self, backend: Backend) -> None:
         """P's KV-lease counters -> proxy counter + a warning on increase (see ``kvwatch``)."""
@@ -74,7 +86,8 @@ class HealthProbes:
         timeout = aiohttp.ClientTimeout(total=cfg.health_timeout_s,
                                         sock_connect=min(cfg.connect_timeout_s, cfg.health_timeout_s))
         try:
-            async with self.session.get(backend.url + "/metrics", headers=self._auth_headers(), timeout=timeout) as r:
+            async with self.upstream.session.get(backend.url + "/metrics", headers=self.upstream.auth_headers(),
+                                                 timeout=timeout) as r:
                 if r.status != 200:
                     return
                 text = (await r.read()).decode("utf-8", "replace")
@@ -109,7 +122,8 @@ class HealthProbes:
         error: str | None = None
         refused = False
         try:
-            async with self.session.get(backend.url + "/health", headers=self._auth_headers(), timeout=timeout) as r:
+            async with self.upstream.session.get(backend.url + "/health", headers=self.upstream.auth_headers(),
+                                                 timeout=timeout) as r:
                 await r.read()
                 if r.status != 200:
                     error = f"health probe: HTTP {r.status}"
@@ -126,8 +140,3 @@ class HealthProbes:
             pool.record_probe(backend, False, error)
         elif pool.record_probe(backend, error is None, error) == "ejected":
             self.metrics.ejections.labels(pool.role, backend.url, "health").inc()
-
-    def _eject(self, pool: BackendPool, backend: Backend, reason: str) -> None:
-        if pool.eject(backend, reason):
-            self.metrics.ejections.labels(pool.role, backend.url, "connect").inc()
-

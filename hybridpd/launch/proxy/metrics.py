@@ -65,19 +65,18 @@ class ProxyMetrics:
         self.requests = Counter(
             "hybridpd_proxy_requests", "Client requests by route and final HTTP status", ["route", "status"], registry=r
         )
-        self.request_duration = Histogram(
-            "hybridpd_proxy_request_duration_seconds",
-            "Client request duration (streams: until the last byte)",
+
+        def latency(name: str, documentation: str, labels: list[str]) -> Histogram:
+            return Histogram(name, documentation, labels, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.request_duration = latency(
+            "hybridpd_proxy_request_duration_seconds", "Client request duration (streams: until the last byte)",
             ["route"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.leg_duration = Histogram(
+        self.leg_duration = latency(
             "hybridpd_proxy_leg_duration_seconds",
             "Upstream leg latency: prefill (whole P request), decode_first_byte, decode (whole D request)",
             ["leg", "backend"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
         )
         self.upstream_errors = Counter(
             "hybridpd_proxy_upstream_errors",
@@ -102,13 +101,11 @@ class ProxyMetrics:
             ["backend", "kind"],
             registry=r,
         )
-        self.kv_handover = Histogram(
+        self.kv_handover = latency(
             "hybridpd_proxy_kv_handover_seconds",
             "P's answer -> D's first byte (streams; KV pull + first token), per prefill backend: compare with "
             "the NixlConnector kv_lease_duration",
             ["backend"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
         )
         self.connections_closed = Counter(
             "hybridpd_proxy_client_connections_closed",

@@ -21,25 +21,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any, Final
 
+from hybridpd.kv_params import PREFILL_KV_TRANSFER_PARAMS  # sent to P: prefill only, D decodes
 from hybridpd.launch.proxy.errors import UPSTREAM, ProxyError, bad_request
 
 COMPLETIONS: Final = "/v1/completions"
 CHAT_COMPLETIONS: Final = "/v1/chat/completions"
-
-#: ``kv_transfer_params`` sent to P: "prefill only, a remote instance will decode".
-PREFILL_KV_TRANSFER_PARAMS: Final[Mapping[str, Any]] = MappingProxyType(
-    {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
-)
 
 #: Fields D requires in P's ``kv_transfer_params`` (vLLM NixlConnector; ``tp_size`` defaults to 1 if absent).
 REQUIRED_KV_KEYS: Final[tuple[str, ...]] = (

@@ -1,7 +1,7 @@
 """The routers ``hybridpd serve --router`` can put in front of P and D: hybridpd's own proxy, or ``vllm-router``.
 
 ``vllm-router`` (PyPI ``vllm-router``, Rust, from the vLLM project) speaks the same NixlConnector P/D protocol in
-its ``--vllm-pd-disaggregation`` mode: checked against the fake P/D of ``hybridpd.launch.proxy.fakes`` (0.1.17) it sends P
+its ``--vllm-pd-disaggregation`` mode: checked against the fake P/D of ``tests/proxy_fakes.py`` (0.1.17) it sends P
 ``max_tokens=1``, ``stream=false``, ``min_tokens=1`` and the ``do_remote_decode`` ``kv_transfer_params``, then D the
 client's body with P's ``kv_transfer_params``, under one router-generated ``X-Request-Id`` per request (the client's
 id is echoed in the response). It listens only once every worker answers ``/health`` (it polls every

@@ -1,6 +1,6 @@
 """Serving a proxy app: the runner and the guarded listening site, the draining stop, the event loop.
 
-``serve_proxy`` is what ``python -m hybridpd.launch.proxy`` runs; ``make_runner`` / ``make_site`` are the same set-up for
+``serve_proxy`` is what ``hybridpd proxy`` runs; ``make_runner`` / ``make_site`` are the same set-up for
 tests and embedders (the client-connection guard of ``hybridpd.launch.proxy.guard`` in front of ``build_app``'s app).
 """
 
@@ -14,9 +14,10 @@ from typing import Any
 
 from aiohttp import web
 
-from hybridpd.launch.proxy.app import STATE, ProxyState, build_app
+from hybridpd.launch.proxy.app import build_app
 from hybridpd.launch.proxy.config import ProxyConfig, ProxyConfigError
 from hybridpd.launch.proxy.guard import GuardedSite, default_max_connections
+from hybridpd.launch.proxy.state import STATE, ProxyState
 
 log = logging.getLogger("hybridpd.launch.proxy")
 
