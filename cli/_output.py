@@ -190,19 +190,38 @@ def emit_report(report: Report, fmt: str, width: int | None = None) -> None:
     if fmt == "rich":
         _emit_rich(report, width)
         return
-    from tabulate import tabulate
-
-    tf = {"markdown": "pipe"}.get(fmt, fmt)
     parts = []
     if report.verdict is not None:
         parts.append("\n".join([report.verdict.text, *report.preface]))
     for t in report.tables:
         head = f"### {t.title}" if fmt in ("markdown", "github") else t.title
-        body = tabulate([[_cell(c) for c in r] for r in t.rows], headers=list(t.headers), tablefmt=tf,
-                        disable_numparse=True)
+        body = plain_table(list(t.headers), [[_cell(c) for c in r] for r in t.rows], fmt)
         parts.append(f"{head}\n\n{body}" + (f"\n\n{t.caption}" if t.caption else ""))
     parts.extend(report.notes)
     click.echo("\n\n".join(parts))
+
+
+_PRINTABLE_ASCII = re.compile(r"[ -~]*")
+
+
+def plain_table(headers: list[str], rows: list[list[str]], fmt: str) -> str:
+    """A tabulate table (``disable_numparse``: every cell a left-aligned string) in format ``fmt``.
+
+    The piped default, ``simple``, is laid out here when every header and cell is printable ASCII on one line
+    and the rows are as wide as the headers: the same bytes tabulate writes (tests/test_output.py checks them
+    against tabulate), without importing it, which costs ~25 ms of a cold `plan` (tabulate reads its own
+    version through importlib.metadata).  Anything else goes to tabulate."""
+    if fmt == PIPE_FORMAT and all(_PRINTABLE_ASCII.fullmatch(s) for s in headers) and all(
+            len(r) == len(headers) and all(_PRINTABLE_ASCII.fullmatch(c) for c in r) for r in rows):
+        cells = [[c.strip() for c in r] for r in rows]
+        widths = [max([len(h) + 2, *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip(),
+                 "  ".join("-" * w for w in widths)]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+        return "\n".join(lines)
+    from tabulate import tabulate
+
+    return tabulate(rows, headers=headers, tablefmt={"markdown": "pipe"}.get(fmt, fmt), disable_numparse=True)
 
 
 def _emit_rich(report: Report, width: int | None) -> None:

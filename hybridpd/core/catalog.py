@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridpd.core.families import ModelSpec, model_spec
-from hybridpd.core.findings import ERROR
+from hybridpd.core.findings import errors
 from hybridpd.core.models import ALIASES, bundled_ids, load_bundled
 from hybridpd.core.profiles import PROFILES, VllmProfile
 from hybridpd.errors import HybridPDError
@@ -71,9 +71,9 @@ def pd_support(spec: ModelSpec, profile: VllmProfile, tp: tuple[int, int] = (1, 
                           isls=(min(1024, (spec.max_position_embeddings or 1025) - 1),))
     except HybridPDError as e:
         return Support(supported=False, reason=type(e).__name__)
-    errors = [f for f in plan.findings if f.severity == ERROR]
-    if errors:
-        return Support(supported=False, reason=errors[0].code)
+    refused = errors(plan.findings)
+    if refused:
+        return Support(supported=False, reason=refused[0].code)
     return Support(supported=True, reason=None)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridpd.core.estimate import Calibration, estimate_request
-from hybridpd.core.findings import ERROR, Finding
+from hybridpd.core.findings import Finding, errors
 from hybridpd.core.layout import SideLayout
 from hybridpd.core.plan import Plan, build_plan, compat_hash_inputs
 from hybridpd.core.profiles import VllmProfile
@@ -128,8 +128,7 @@ class PlanDiff:
     @property
     def b_introduces_error(self) -> bool:
         """B has an error finding (by code) that A does not have."""
-        a_codes = {f.code for f in self.a.plan.findings if f.severity == ERROR}
-        return any(f.severity == ERROR and f.code not in a_codes for f in self.b.plan.findings)
+        return bool(errors(self.b.plan.findings, allowed={f.code for f in errors(self.a.plan.findings)}))
 
     def section(self, name: str) -> tuple[Change, ...]:
         return tuple(c for c in self.changes if c.section == name)
@@ -282,7 +281,7 @@ def _mixed(a: Variant, b: Variant, isls: tuple[int, ...]) -> tuple[MixedPair, ..
             continue
         mix = build_plan(pv.plan.model, prefill=pv.plan.prefill.settings, decode=dv.plan.decode.settings,
                          vllm_version=pv.plan.target, platform=pv.plan.platform.name, isls=isls[:1] or None)
-        out.append(MixedPair(prefill=pn, decode=dn, errors=tuple(f for f in mix.findings if f.severity == ERROR)))
+        out.append(MixedPair(prefill=pn, decode=dn, errors=errors(mix.findings)))
     return tuple(out)
 
 
@@ -376,7 +375,7 @@ def diff_to_dict(d: PlanDiff) -> dict[str, Any]:
                 "nixl_connector_version": p.profile.nixl_connector_version, "platform": p.platform.name,
                 "ptp": p.prefill.tp, "dtp": p.decode.tp, "ok": p.ok,
                 "recommended_block_size": p.recommended_block_size,
-                "error_codes": sorted({f.code for f in p.findings if f.severity == ERROR})}
+                "error_codes": sorted({f.code for f in errors(p.findings)})}
 
     transfer: list[dict[str, Any]] = []
     isls = sorted({c.scope for c in d.section("transfer")})

@@ -6,7 +6,7 @@ the profile's data; no rule branches on a version number.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from hybridpd.core.layout import SideLayout
@@ -44,6 +44,13 @@ RULES: list[Rule] = []
 def rule(fn: Rule) -> Rule:
     RULES.append(fn)
     return fn
+
+
+def errors(findings: Iterable[Finding], *, allowed: Collection[str] = ()) -> tuple[Finding, ...]:
+    """The findings that refuse a plan: severity error, less the codes a caller can live with (``allowed``).
+
+    Every refusal reads this: `plan`'s exit status, `serve`'s launch, the rehearsal, `verify`, `diff`, `models`."""
+    return tuple(f for f in findings if f.severity == ERROR and f.code not in allowed)
 
 
 def run_rules(ctx: Context) -> tuple[Finding, ...]:

@@ -7,8 +7,8 @@ from typing import Any
 
 from hybridpd.core.estimate import Calibration, estimate_request
 from hybridpd.core.families import ModelSpec, model_spec
-from hybridpd.core.findings import ERROR, Context, Finding, run_rules
-from hybridpd.core.layout import SideLayout, side_layout
+from hybridpd.core.findings import Context, Finding, errors, run_rules
+from hybridpd.core.layout import SideLayout, cdiv, side_layout
 from hybridpd.core.models import resolve
 from hybridpd.core.profiles import PlatformProfile, Target, VllmProfile, platform_for, resolve_target
 from hybridpd.core.settings import EngineSettings
@@ -63,7 +63,7 @@ class Plan:
 
     @property
     def ok(self) -> bool:
-        return not any(f.severity == ERROR for f in self.findings)
+        return not errors(self.findings)
 
     def transfer_for(self, isl: int) -> RequestTransfer:
         assert self.routes is not None
@@ -82,7 +82,7 @@ def recommended_block(model: ModelSpec, lp: SideLayout, ld: SideLayout) -> int |
     if not lp.attention_groups:
         return None
     step = max(lp.kernel_sizes.min_base if lp.kernel_sizes else 16, 16)
-    cand = step * -(-max(lp.block_size, ld.block_size) // step)
+    cand = step * cdiv(max(lp.block_size, ld.block_size), step)
     for _ in range(64):
         a = side_layout(model, replace(lp.settings, block_size=cand), lp.profile, lp.platform, role="prefill")
         b = side_layout(model, replace(ld.settings, block_size=cand), ld.profile, ld.platform, role="decode")

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hybridpd.core.findings import ERROR, Finding
+from hybridpd.core.findings import Finding, errors
 from hybridpd.core.plan import Plan, build_plan, max_model_len
 from hybridpd.core.profiles import Target, parse_version, resolve_target
 from hybridpd.core.settings import EngineSettings
@@ -194,7 +194,7 @@ class LaunchPlan:
                 "block_size": self.block_size, "side_channel_host": self.side_channel_host,
                 "processes": [p.as_dict() for p in self.processes],
                 "findings": [f.as_dict() for f in self.findings], "notes": list(self.notes),
-                "ok": not any(f.severity == ERROR for f in self.findings)}
+                "ok": not errors(self.findings)}
 
 
 def _url_host(host: str) -> str:
@@ -206,7 +206,7 @@ def _url_host(host: str) -> str:
 
 
 def refuse_on_errors(findings: Sequence[Finding], rec: int | None = None) -> None:
-    errs = [f for f in findings if f.severity == ERROR]
+    errs = errors(findings)
     if errs:
         text = "; ".join(f"[{f.code}] {f.message} (fix: {f.fix})" for f in errs)
         if rec:

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from hybridpd.core.findings import ERROR
+from hybridpd.core.findings import errors
+from hybridpd.core.layout import cdiv
 from hybridpd.core.plan import max_model_len
 from hybridpd.kv_params import PREFILL_KV_TRANSFER_PARAMS
 from hybridpd.verify import metrics
@@ -130,7 +131,7 @@ def send_probe(decode_url: str, other_url: str, model_name: str, isl: int, *, pr
 
 
 def _plan_errors(plan: Any) -> list[str]:
-    return [f"{f.code}: {f.message}" for f in plan.findings if f.severity == ERROR]
+    return [f"{f.code}: {f.message}" for f in errors(plan.findings)]
 
 
 def run_probe(decode_url: str, other_url: str, plan: Any, isl: int, model_name: str, *, proxy: bool = False,
@@ -151,7 +152,7 @@ def run_probe(decode_url: str, other_url: str, plan: Any, isl: int, model_name: 
 
 
 def _padded(tokens: int, block: int) -> int:
-    return -(-tokens // block) * block
+    return cdiv(tokens, block) * block
 
 
 def confusable_block_sizes(block: int) -> list[int]:

@@ -90,17 +90,23 @@ def set_env(gpu: bool = False, ucx_log: str | None = None) -> None:
 
 
 def import_nixl() -> tuple[Any, Any]:
-    """(nixl_agent, nixl_agent_config) without importing torch when possible."""
+    """(nixl_agent, nixl_agent_config) without importing torch when possible.
+
+    The wheels' own modules first (``nixl_cu13``, then ``nixl_cu12``), then the ``nixl`` meta package: the
+    one ladder, read by the rehearsal and by `doctor`."""
     set_env()
-    try:
-        from nixl_cu13._api import nixl_agent, nixl_agent_config
-    except ImportError:
+    import importlib
+
+    last: ImportError | None = None
+    for mod in ("nixl_cu13._api", "nixl_cu12._api", "nixl._api"):
         try:
-            from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+            api = importlib.import_module(mod)
         except ImportError as e:
-            raise ExternalToolError(f"NIXL is not installed ({e})",
-                                    fix="pip install --no-deps nixl-cu13==1.5.1 nixl==1.5.1") from None
-    return nixl_agent, nixl_agent_config
+            last = e
+            continue
+        return api.nixl_agent, api.nixl_agent_config
+    raise ExternalToolError(f"NIXL is not installed ({last})",
+                            fix="pip install --no-deps nixl-cu13==1.5.1 nixl==1.5.1")
 
 
 def nixl_available() -> bool:

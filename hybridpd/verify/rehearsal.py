@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hybridpd.core.descriptors import DescTable, local_table, remote_table, request_desc_ids
-from hybridpd.core.findings import ERROR
+from hybridpd.core.findings import errors
 from hybridpd.core.layout import SideLayout, cdiv
 from hybridpd.core.plan import Plan
 from hybridpd.core.transfer import SourceRead, kv_head_token_bytes, kv_heads_of_rank, tokens_transferred
@@ -74,9 +74,10 @@ class Setup:
 
 def refuse_if_vllm_refuses(plan: Plan) -> None:
     """vLLM refuses these combinations at start-up or handshake: so does the rehearsal (exit 2)."""
-    for f in plan.findings:
-        if f.severity == ERROR and f.code not in ALLOWED_ERRORS:
-            raise UsageError(f"refused ({f.code}): {f.message}", fix=f.fix)
+    refusing = errors(plan.findings, allowed=ALLOWED_ERRORS)
+    if refusing:
+        f = refusing[0]
+        raise UsageError(f"refused ({f.code}): {f.message}", fix=f.fix)
     if plan.routes is None:
         raise UsageError("refused: the plan has no transfer routes for this combination",
                          fix="run `hybridpd plan` to see why")

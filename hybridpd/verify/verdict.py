@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from hybridpd.core.findings import ERROR, Finding
+from hybridpd.core.findings import Finding, errors
 from hybridpd.core.transfer import kv_head_block_bytes, source_request_bytes
 from hybridpd.verify.rehearsal import (
     COMPONENTS,
@@ -368,4 +368,4 @@ def summarize(s: Setup, per_rank: Sequence[RankResult], transport: str, memory: 
         ptp=s.p.tp, dtp=s.d.tp, isl=s.isl, tokens_transferred=s.n_tok, logical_blocks=t.logical_blocks,
         num_blocks=s.n_log, block_size=s.p.block_size, page_size_bytes=s.p.page_size_bytes, seed=s.seed,
         inject=s.inject, p_block_ids=s.p_blocks, d_block_ids=s.d_blocks,
-        findings=tuple(f for f in s.plan.findings if f.severity == ERROR), notes=s.notes, per_rank=tuple(per_rank))
+        findings=errors(s.plan.findings), notes=s.notes, per_rank=tuple(per_rank))
