@@ -6,18 +6,26 @@ refused before it could block or stream for ever), at most a size limit, strict 
 Outputs are written atomically, and only as regular files the user named:
 
 ``atomic_target(path)`` yields a temporary file beside the real target; on success it is fsynced, given
-the mode a new file gets from the umask (or the mode of the file it replaces), and renamed over the target.
+the mode a new file gets from the umask (or the mode of the file it replaces), and renamed over the target
+(and the directory fsynced).
 Nothing else is ever replaced: a directory, device, FIFO or socket at PATH is refused; a symlink at PATH is
 followed only to an existing regular file (that file is rewritten, the link stays); a missing parent
 directory is created only when ``parents=True``.  On any error the temporary file is removed and the error
 says that nothing was written.
+
+The pieces (``create_temp``, ``commit_temp``, ``discard_temp``, one naming scheme that ``parse_temp_name``
+reads back) also carry ``convert``'s streaming writer, which adds O_DIRECT, sweeps of dead processes'
+temporaries and a commit that never clobbers (``clobber=False``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -221,30 +229,103 @@ def output_target(path: str, *, field: str = "output", parents: bool = False) ->
     return target, (stat.S_IMODE(st.st_mode) if st is not None else None)
 
 
+# --------------------------------------------------------------------------- temporary files, one scheme
+
+# ``.hybridpd-<target name>.<pid>.<8 hex><suffix>`` beside the target: hidden, named after what it will become,
+# and carrying the writer's pid, so that a later writer can tell a dead process's leftover (``parse_temp_name``).
+TEMP_PREFIX = ".hybridpd-"
+_TEMP_RE = re.compile(r"^\.hybridpd-(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.[^.]+$")
+_NAME_BYTES = 160  # of the target's name kept in the temporary's: NAME_MAX is 255 bytes
+
+
+def temp_stem(name: str) -> str:
+    """The part of a target's file name that its temporaries carry (at most ``_NAME_BYTES`` bytes of it)."""
+    return os.fsdecode(os.fsencode(name)[:_NAME_BYTES])
+
+
+def parse_temp_name(name: str) -> tuple[str, int] | None:
+    """(target stem, writer pid) of a temporary's file name, or None when it is not one of ours."""
+    m = _TEMP_RE.match(name)
+    return (m["name"], int(m["pid"])) if m else None
+
+
+def create_temp(target: str | Path, *, suffix: str = ".tmp") -> tuple[int, str]:
+    """Create (O_EXCL, mode 0600 until ``commit_temp``) a new temporary file beside ``target``: (fd, path)."""
+    parent, name = os.path.split(os.fspath(target))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for attempt in range(8):
+        tmp = os.path.join(parent, f"{TEMP_PREFIX}{temp_stem(name)}.{os.getpid()}.{os.urandom(4).hex()}{suffix}")
+        try:
+            return os.open(tmp, flags, 0o600), tmp
+        except FileExistsError:
+            if attempt == 7:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def fsync_dir(directory: str | Path) -> None:
+    """Make a rename in ``directory`` durable; filesystems that cannot fsync a directory are left as they are."""
+    with contextlib.suppress(OSError):
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def commit_temp(tmp: str | Path, target: str | Path, *, mode: int | None = None, clobber: bool = True) -> None:
+    """Move a complete temporary over ``target``: fsync it, give it ``mode`` (None: what a new file gets from
+    the umask), rename it, fsync the directory.  ``clobber=False`` never replaces anything: FileExistsError
+    when ``target`` exists (a hard link, so a file that appears meanwhile is not clobbered either)."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
+    if clobber:
+        os.replace(tmp, target)
+    else:
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            raise
+        except OSError:  # filesystems without hard links
+            if os.path.lexists(target):
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(target)) from None
+            os.replace(tmp, target)
+        else:
+            os.unlink(tmp)
+    fsync_dir(os.path.dirname(os.path.abspath(target)))
+
+
+def discard_temp(tmp: str | Path) -> None:
+    """Remove a temporary (gone already is fine)."""
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
+
+
+def nothing_written(path: str, e: OSError, *, field: str) -> OutputError:
+    """The error for an output that failed to write: the target is untouched."""
+    return OutputError(f"cannot write {path}: {e.strerror or e}; nothing was written", field=field)
+
+
 @contextmanager
 def atomic_target(path: str, *, suffix: str = ".tmp", field: str = "output", parents: bool = False) -> Iterator[str]:
     """Yield a temporary path beside ``path``'s real target; on success it replaces the target, on error it is removed."""
     target, mode = output_target(path, field=field, parents=parents)
     try:
-        import tempfile  # here only: `plan` reads models through this module and never writes
-
-        fd, tmp = tempfile.mkstemp(prefix=".hybridpd-", suffix=suffix, dir=os.path.dirname(target))
+        fd, tmp = create_temp(target, suffix=suffix)
     except OSError as e:
-        raise OutputError(f"cannot write {path}: {e.strerror}; nothing was written", field=field) from None
+        raise nothing_written(path, e, field=field) from None
     os.close(fd)
     try:
         yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
-        os.replace(tmp, target)
+        commit_temp(tmp, target, mode=mode)
     except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        discard_temp(tmp)
         if isinstance(e, OSError):  # disk full, read-only file system, permissions: the target is untouched
-            raise OutputError(f"cannot write {path}: {e.strerror or e}; nothing was written", field=field) from None
+            raise nothing_written(path, e, field=field) from None
         raise
 
 

@@ -32,7 +32,8 @@ from test_convert_support import (
     save,
 )
 
-from hybridpd.convert.files import AtomicFile, Writer, read_header
+from hybridpd.convert.files import AtomicFile, Writer
+from hybridpd.convert.header import read_header
 from hybridpd.convert.run import ConvertOptions, check, convert
 from hybridpd.errors import ExternalToolError, HybridPDError, UsageError
 
@@ -161,7 +162,7 @@ def test_disk_full_on_a_later_shard_says_which_shards_were_written(tmp_path: Pat
     written = sorted(p for p in (tmp_path / "out").iterdir() if not p.name.startswith("."))
     assert len(written) == 1 and str(written[0]) in str(e.value) and "nothing else was written" in str(e.value)
     assert "nothing was written under OUTPUT" not in str(e.value)
-    assert not [p for p in (tmp_path / "out").iterdir() if p.name.endswith(".hybridpd-tmp")]
+    assert not list((tmp_path / "out").glob(".hybridpd-*"))
 
 
 def test_tp_split_into_an_uncreatable_directory_is_a_usage_error(tmp_path: Path,
@@ -336,16 +337,31 @@ def test_refuses_to_overwrite_and_never_writes_its_input(tmp_path: Path) -> None
     for target in (src, tmp_path / "." / "a.safetensors"):
         with pytest.raises(UsageError, match="is the INPUT"):
             convert(src, target, ConvertOptions(to="DS", geometry=geo(NEMOH), force=True))
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith("hybridpd-tmp")]
+    assert not list(tmp_path.glob(".hybridpd-*"))
 
 
 def test_stale_temporaries_of_dead_processes_are_swept(tmp_path: Path) -> None:
     src = tmp_path / "a.safetensors"
     state_file(src)
-    stale = tmp_path / ".o.safetensors.999999999.0123abcd.hybridpd-tmp"
-    stale.write_bytes(b"partial")
+    legacy = tmp_path / ".o.safetensors.999999999.0123abcd.hybridpd-tmp"  # the naming before fsutil's scheme
+    stale = tmp_path / ".hybridpd-o.safetensors.999999999.0123abcd.tmp"
+    live = tmp_path / f".hybridpd-o.safetensors.{os.getppid()}.0123abcd.tmp"  # a live writer's: kept
+    other = tmp_path / ".hybridpd-p.safetensors.999999999.0123abcd.tmp"  # another target's: kept
+    for p in (legacy, stale, live, other):
+        p.write_bytes(b"partial")
     convert(src, tmp_path / "o.safetensors", ConvertOptions(to="DS", geometry=geo(NEMOH)))
-    assert not stale.exists()
+    assert not legacy.exists() and not stale.exists() and live.exists() and other.exists()
+
+
+def test_an_output_name_near_name_max_converts_and_sweeps(tmp_path: Path) -> None:
+    src = tmp_path / "a.safetensors"
+    state_file(src)
+    out = tmp_path / ("é" * 115 + ".safetensors")  # 242 bytes: a temporary carrying all of it would not fit
+    stale = tmp_path / f".hybridpd-{'é' * 80}.999999999.0123abcd.tmp"  # the first 160 bytes of the name
+    stale.write_bytes(b"partial")
+    convert(src, out, ConvertOptions(to="DS", geometry=geo(NEMOH)))
+    assert meta(out)["hybridpd.conv_layout"] == "DS"
+    assert not list(tmp_path.glob(".hybridpd-*"))
 
 
 def test_directory_in_directory_out(tmp_path: Path) -> None:
@@ -437,7 +453,7 @@ def test_merge_refuses_replicas_that_disagree(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="replicated B/C group"):
         convert(tmp_path / "s", tmp_path / "m.safetensors", ConvertOptions(to="SD", tp_merge=True))
     assert not (tmp_path / "m.safetensors").exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith("hybridpd-tmp")]
+    assert not list(tmp_path.glob(".hybridpd-*"))
 
 
 def test_merge_refuses_unrecognised_tensors_that_differ(tmp_path: Path) -> None:

@@ -140,7 +140,7 @@ def test_sigkill_mid_write_leaves_input_intact_and_no_output(tmp_path: Path) -> 
     tmp_file = None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
-        tmps = [p for p in tmp_path.iterdir() if p.name.startswith(".out.safetensors.")]
+        tmps = [p for p in tmp_path.iterdir() if p.name.startswith(".hybridpd-out.safetensors.")]
         if tmps and tmps[0].stat().st_size > 3 * 64 * 3 * 2048 * 2:  # a few tensors written
             tmp_file = tmps[0]
             break
@@ -151,7 +151,7 @@ def test_sigkill_mid_write_leaves_input_intact_and_no_output(tmp_path: Path) -> 
     assert proc.returncode == -signal.SIGKILL
     assert hashlib.sha256(src.read_bytes()).hexdigest() == digest
     assert not final.exists()
-    assert tmp_file.exists() and tmp_file.name.endswith(".hybridpd-tmp")  # hidden, never the final name
+    assert tmp_file.exists() and tmp_file.name.endswith(".tmp")  # hidden, never the final name
     # the next run completes and sweeps the dead process's temporary
     again = _run([str(src), str(final), "--to", "DS", "--from", "SD"])
     _, err = again.communicate(timeout=120)
@@ -169,14 +169,14 @@ def test_sigterm_or_sighup_mid_write_removes_the_temporary(tmp_path: Path, sig: 
     deadline = time.monotonic() + 60
     seen = False
     while time.monotonic() < deadline and proc.poll() is None and not seen:
-        seen = any(p.name.startswith(".out.safetensors.") for p in tmp_path.iterdir())
+        seen = any(p.name.startswith(".hybridpd-out.safetensors.") for p in tmp_path.iterdir())
         time.sleep(0.02)
     assert seen, proc.communicate()
     proc.send_signal(sig)
     proc.wait(timeout=60)
     assert proc.returncode == 128 + sig
     assert not final.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".hybridpd-tmp")]
+    assert not list(tmp_path.glob(".hybridpd-*"))
 
 
 def test_metadata_layout_contradicting_the_shape_is_refused(tmp_path: Path) -> None:

@@ -315,6 +315,14 @@ def test_write_failure_says_nothing_was_written(tmp_path: Path) -> None:
     assert (tmp_path / "t").read_text() == "old" and not list(tmp_path.glob(".hybridpd-*"))
 
 
+def test_write_atomic_to_a_name_near_name_max(tmp_path: Path) -> None:
+    from hybridpd.fsutil import write_atomic
+
+    out = tmp_path / ("k" * 250 + ".yaml")  # 255 bytes: the temporary keeps only a part of the name
+    write_atomic(str(out), "x")
+    assert out.read_text() == "x" and not list(tmp_path.glob(".hybridpd-*"))
+
+
 def test_read_bounded_and_json_limits(tmp_path: Path) -> None:
     from hybridpd.fsutil import NotANumber, parse_json_bytes, read_bounded
 
@@ -443,7 +451,7 @@ def _header_cases() -> list[tuple[str, bytes]]:
 
 @pytest.mark.parametrize("name,header", _header_cases(), ids=[n for n, _ in _header_cases()])
 def test_hostile_safetensors_header_is_a_clean_error(tmp_path: Path, name: str, header: bytes) -> None:
-    from hybridpd.convert.files import read_header
+    from hybridpd.convert.header import read_header
 
     p = tmp_path / "x.safetensors"
     p.write_bytes(_safetensors(header))
@@ -457,7 +465,7 @@ def test_hostile_safetensors_header_is_a_clean_error(tmp_path: Path, name: str, 
 
 
 def test_safetensors_fifo_input_is_refused(tmp_path: Path) -> None:
-    from hybridpd.convert.files import read_header
+    from hybridpd.convert.header import read_header
 
     os.mkfifo(tmp_path / "x.safetensors")
     with pytest.raises(UsageError, match="not a regular file"):

@@ -13,8 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridpd.convert.engine import CompareSink, Engine, Mismatch, resolve_device
-from hybridpd.convert.files import Header, Source, read_header
+from hybridpd.convert.engine import CompareSink, Engine, Mismatch, counting, resolve_device
+from hybridpd.convert.files import Source
+from hybridpd.convert.header import Header, read_header
 from hybridpd.convert.options import CheckResult, ConvertOptions, layout_arg, resolve_geometry, validated
 from hybridpd.convert.paths import check_jobs
 from hybridpd.convert.plan import (
@@ -97,13 +98,6 @@ def run_check(input: str | Path, output: str | Path, opts: ConvertOptions,
     device = resolve_device(opts.device)
     result = CheckResult()
     t0 = time.perf_counter()
-    done = [0]
-
-    def tick(n: int) -> None:
-        done[0] += n
-        if progress:
-            progress(done[0], total)
-
     plans: list[tuple[Any, ...]] = []
     for job in jobs:
         ref, tgts = read_header(job.sources[0]), [read_header(t) for t in job.targets]
@@ -123,7 +117,7 @@ def run_check(input: str | Path, output: str | Path, opts: ConvertOptions,
         plan = plan_layout(fr, maps[0]) if n == 1 else plan_split(fr, n, maps, geo)
         plans.append((job, ref, tgts, fr, plan, maps))
     total = sum(ref.data_bytes for _, ref, *_ in plans)
-    engine = Engine(device=device, chunk_bytes=opts.chunk_bytes, progress=tick)
+    engine = Engine(device=device, chunk_bytes=opts.chunk_bytes, progress=counting(progress, total))
     for job, ref, tgts, fr, plan, maps in plans:
         src, targets = Source(ref), [Source(t) for t in tgts]
         try:

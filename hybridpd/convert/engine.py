@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
-from hybridpd.convert.files import Source, TensorEntry, Window
+from hybridpd.convert.files import Source, Window
+from hybridpd.convert.header import TensorEntry
 from hybridpd.convert.plan import SD, Step, StreamPlan
 from hybridpd.errors import UsageError, VerificationFailed
 from hybridpd.gpus import require_gpu
@@ -145,6 +146,19 @@ class _Worker:
     def close(self) -> None:
         self._q.put(None)
         self._thread.join()
+
+
+def counting(progress: Callable[[int, int], None] | None, total: int) -> Callable[[int], None]:
+    """The engine's byte counts (one call per chunk) as ``progress(bytes so far, total)`` calls."""
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress:
+            progress(done, total)
+
+    return tick
 
 
 class Engine:

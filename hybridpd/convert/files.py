@@ -1,15 +1,12 @@
-"""Streaming safetensors I/O for ``convert``: header parsing, windowed mmap reads, atomic writes.
+"""Streaming safetensors I/O for ``convert``: windowed mmap reads, running checksums, atomic writes.
 
-The safetensors format is small enough to speak directly: an 8-byte little-endian header length, a
-JSON header ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``
-padded with spaces, then the raw tensor bytes, contiguous, in offset order.  Speaking it ourselves
-lets ``convert`` read through bounded mmap windows and write tensor by tensor, so a file larger than
-RAM converts with a few chunk-sized buffers.
+Speaking the format ourselves (``header``) lets ``convert`` read through bounded mmap windows and write
+tensor by tensor, so a file larger than RAM converts with a few chunk-sized buffers.
 
-Outputs go to a hidden temporary file in the target directory and are renamed into place only when
-complete (``os.link`` when not forcing, so an existing file is never clobbered by a race); a process
-killed mid-write leaves the final name untouched.  Stale temporaries of dead processes are removed
-by the next write to the same name.
+Outputs go to a hidden temporary file in the target directory (``fsutil``'s one naming scheme) and are
+renamed into place only when complete (a hard link when not forcing, so an existing file is never
+clobbered by a race); a process killed mid-write leaves the final name untouched.  Stale temporaries of
+dead processes are removed by the next write to the same name.
 """
 
 from __future__ import annotations
@@ -17,71 +14,24 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import json
 import mmap
 import os
 import re
-import secrets
-import stat
-import struct
 import time
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridpd.errors import HybridPDError, UsageError
+from hybridpd.convert.header import Header, TensorEntry, build_header
+from hybridpd.errors import UsageError
+from hybridpd.fsutil import commit_temp, create_temp, discard_temp, parse_temp_name, temp_stem
 from hybridpd.host import pid_alive
 
-# safetensors dtype -> bytes per element (sub-byte and unknown dtypes are copied as raw bytes only).
-DTYPE_BYTES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
-}
-# dtypes a Mamba state can have (what vLLM allocates: bf16, fp16, fp32, the fp8 variants; fp64 for tests)
-STATE_DTYPES = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"})
-
-MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 CHECKSUMS = ("xxh3", "crc32", "sha256", "none")
 SLOW_WRITE_ENV = "HYBRIDPD_TEST_SLOW_WRITE"  # test hook: seconds to sleep after each tensor written
-_TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.hybridpd-tmp$")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TensorEntry:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int  # offset inside the data section
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-    @property
-    def elem(self) -> int | None:
-        return DTYPE_BYTES.get(self.dtype)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Header:
-    path: Path
-    data_start: int  # 8 + header length
-    tensors: tuple[TensorEntry, ...]  # in offset order
-    metadata: Mapping[str, str]
-    file_size: int
-
-    @property
-    def data_bytes(self) -> int:
-        return self.file_size - self.data_start
-
-    def by_name(self) -> dict[str, TensorEntry]:
-        return {t.name: t for t in self.tensors}
+_OLD_TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.hybridpd-tmp$")  # hybridpd 0.1.0's names
 
 
 class Checksum:
@@ -128,72 +78,6 @@ class Checksum:
 
 def new_checksum(algo: str) -> Checksum | None:
     return None if algo == "none" else Checksum(algo)
-
-
-def _corrupt(path: Path, what: str) -> HybridPDError:
-    return UsageError(f"{path} is not a valid safetensors file: {what}", field="INPUT",
-                      fix="pass a .safetensors file written by safetensors, vLLM tooling or hybridpd")
-
-
-def read_header(path: Path) -> Header:
-    """Parse and validate a safetensors header (offsets contiguous, sizes consistent with shapes)."""
-    try:
-        st = path.stat()
-        if not stat.S_ISREG(st.st_mode):  # #15: a FIFO or device would block or stream for ever
-            raise _corrupt(path, "not a regular file")
-        size = st.st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise _corrupt(path, f"only {size} bytes long")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise _corrupt(path, f"header length {n} exceeds the file ({size} bytes)")
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # #15 (never reached for a FIFO: open blocks first)
-                raise _corrupt(path, "not a regular file")
-            from hybridpd.fsutil import parse_json_bytes  # #15: deep nesting, 5,001-digit ints, NaN -> a clean error
-
-            try:
-                raw = parse_json_bytes(f.read(n), where="header", field="INPUT")
-            except HybridPDError as e:
-                why = str(e).removeprefix("INPUT: ").split(" (fix:")[0].replace("header is not valid JSON", "header is not JSON")
-                raise _corrupt(path, why) from None
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror}", field="INPUT") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _corrupt(path, f"header is not JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise _corrupt(path, "header is not a JSON object")
-    meta = raw.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise _corrupt(path, "__metadata__ must map strings to strings")
-    entries = []
-    for name, info in raw.items():
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            ok = (isinstance(dtype, str) and all(type(s) is int and s >= 0 for s in shape)
-                  and type(begin) is int and type(end) is int and 0 <= begin <= end)  # #15: no floats/bools
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise _corrupt(path, f"bad entry for tensor {name!r}")
-        t = TensorEntry(name=name, dtype=dtype, shape=shape, begin=begin, end=end)
-        numel = 1
-        for s in shape:
-            numel *= s
-        if t.elem is not None and numel * t.elem != t.nbytes:
-            raise _corrupt(path, f"tensor {name!r}: shape {list(shape)} x {dtype} needs {numel * t.elem} bytes, "
-                                 f"data_offsets give {t.nbytes}")
-        entries.append(t)
-    entries.sort(key=lambda t: (t.begin, t.end))
-    pos = 0
-    for t in entries:
-        if t.begin != pos:
-            raise _corrupt(path, f"tensor {t.name!r} starts at {t.begin}, expected {pos} (gap or overlap)")
-        pos = t.end
-    if 8 + n + pos != size:
-        raise _corrupt(path, f"data section holds {size - 8 - n} bytes, tensors cover {pos} (truncated?)")
-    return Header(path=path, data_start=8 + n, tensors=tuple(entries), metadata=dict(meta), file_size=size)
 
 
 class Source:
@@ -252,31 +136,25 @@ class Window:
             pass
 
 
-def build_header(entries: Sequence[tuple[str, str, Sequence[int], int]], metadata: Mapping[str, str]) -> bytes:
-    """Header bytes (length prefix included) for tensors laid out contiguously in the given order."""
-    body: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
-    pos = 0
-    for name, dtype, shape, nbytes in entries:
-        body[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
-        pos += nbytes
-    text = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-(8 + len(text)) % 8)  # data section starts 8-byte aligned, like safetensors
-    return struct.pack("<Q", len(text)) + text
-
-
-
 
 def sweep_stale_temporaries(final: Path) -> list[Path]:
     """Remove temporaries for ``final`` left by killed processes; returns what was removed."""
     removed = []
     with contextlib.suppress(OSError):
         for p in final.parent.iterdir():
-            m = _TMP_RE.match(p.name)
-            if m and m["name"] == final.name and int(m["pid"]) != os.getpid() and not pid_alive(int(m["pid"])):
+            pid = _writer_of(p.name, final)
+            if pid is not None and pid != os.getpid() and not pid_alive(pid):
                 with contextlib.suppress(OSError):
                     p.unlink()
                     removed.append(p)
     return removed
+
+
+def _writer_of(name: str, final: Path) -> int | None:
+    """The pid that wrote temporary ``name`` for ``final`` (either naming), or None when it is not one."""
+    old = _OLD_TMP_RE.match(name)
+    got, stem = ((old["name"], int(old["pid"])), final.name) if old else (parse_temp_name(name), temp_stem(final.name))
+    return got[1] if got is not None and got[0] == stem else None
 
 
 class AtomicFile:
@@ -296,12 +174,12 @@ class AtomicFile:
         self.final = final
         self.force = force
         sweep_stale_temporaries(final)
-        self.tmp = final.parent / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.hybridpd-tmp"
         try:
-            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            self.fd, tmp = create_temp(final)
         except OSError as e:
             raise UsageError(f"cannot create a file in {final.parent}: {e.strerror}", field="OUTPUT",
                              fix="choose a writable OUTPUT directory") from None
+        self.tmp = Path(tmp)
         self._direct: int | None = None
         if direct and hasattr(os, "O_DIRECT"):
             with contextlib.suppress(OSError):
@@ -411,36 +289,18 @@ class AtomicFile:
     def commit(self) -> None:
         try:
             self._finish()
-            os.fsync(self.fd)
         finally:
             self._close()
-        if self.force:
-            os.replace(self.tmp, self.final)
-        else:
-            try:
-                os.link(self.tmp, self.final)  # fails if final appeared meanwhile: never clobber
-            except FileExistsError:
-                self.abort()
-                raise UsageError(f"{self.final} appeared while converting", field="OUTPUT",
-                                 fix="pass --force to overwrite") from None
-            except OSError:  # filesystems without hard links
-                if self.final.exists():
-                    self.abort()
-                    raise UsageError(f"{self.final} exists", field="OUTPUT", fix="pass --force") from None
-                os.replace(self.tmp, self.final)
-            else:
-                os.unlink(self.tmp)
-        with contextlib.suppress(OSError):
-            dfd = os.open(self.final.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+        try:
+            commit_temp(self.tmp, self.final, clobber=self.force)
+        except FileExistsError:  # the final name appeared meanwhile: never clobber it
+            self.abort()
+            raise UsageError(f"{self.final} appeared while converting", field="OUTPUT",
+                             fix="pass --force to overwrite") from None
 
     def abort(self) -> None:
         self._close()
-        with contextlib.suppress(OSError):
-            self.tmp.unlink()
+        discard_temp(self.tmp)
 
 
 class Writer:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybridpd.convert.engine import DEFAULT_CHUNK
-from hybridpd.convert.files import Header
+from hybridpd.convert.header import Header
 from hybridpd.convert.plan import DS, SD, Geometry
 from hybridpd.errors import UsageError
 

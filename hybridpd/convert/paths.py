@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridpd.convert.files import read_header
+from hybridpd.convert.header import read_header
 from hybridpd.convert.plan import META_TP_RANK
 from hybridpd.errors import UsageError
 

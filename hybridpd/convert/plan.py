@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from math import prod
 
-from hybridpd.convert.files import STATE_DTYPES, Header, TensorEntry
+from hybridpd.convert.header import STATE_DTYPES, Header, TensorEntry
 from hybridpd.core.families import MambaDims
 from hybridpd.core.mamba import DS, SD, MambaRankState, global_conv_channel_index, rank_channels
 from hybridpd.errors import UsageError

@@ -8,9 +8,9 @@ vLLM's per-rank shards (x, B, C and SSM heads sliced separately, B/C groups repl
 
 Public API: ``ConvertOptions``, ``convert(input, output, opts) -> ConvertSummary``,
 ``check(input, output, opts) -> CheckResult``, ``geometry_for(model, num_spec)``.  The modules
-beside it: ``convert_io`` (safetensors streaming, atomic writes), ``convert_plan`` (recognising
-tensors, per-tensor steps, the metadata keys ``hybridpd.*``), ``convert_engine`` (the streaming
-transposes), ``convert_paths`` (INPUT/OUTPUT -> jobs).
+beside it: ``header`` (the safetensors header), ``files`` (streaming reads, checksums, atomic
+writes), ``plan`` (recognising tensors, per-tensor steps, the metadata keys ``hybridpd.*``),
+``engine`` (the streaming transposes), ``paths`` (INPUT/OUTPUT -> jobs), ``check`` (OUTPUT vs INPUT).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from hybridpd import __version__
-from hybridpd.convert.engine import Engine, resolve_device
-from hybridpd.convert.files import AtomicFile, Checksum, Header, Source, Writer, new_checksum, read_header
+from hybridpd.convert.engine import Engine, counting, resolve_device
+from hybridpd.convert.files import AtomicFile, Checksum, Source, Writer, new_checksum
+from hybridpd.convert.header import Header, read_header
 from hybridpd.convert.options import CheckResult, ConvertOptions, geometry_for, layout_arg, resolve_geometry, validated
 from hybridpd.convert.paths import Job, layout_jobs, merge_jobs, split_jobs
 from hybridpd.convert.plan import (
@@ -202,14 +203,7 @@ def convert(input: str | Path, output: str | Path, opts: ConvertOptions,
     summary = ConvertSummary(operation=op, to=to, model=opts.model or (opts.geometry.model if opts.geometry else None),
                              device=device)
     total = sum(h.data_bytes for _, headers, *_ in planned for h in headers)
-    done = [0]
-
-    def tick(n: int) -> None:
-        done[0] += n
-        if progress:
-            progress(done[0], total)
-
-    engine = Engine(device=device, chunk_bytes=opts.chunk_bytes, progress=tick)
+    engine = Engine(device=device, chunk_bytes=opts.chunk_bytes, progress=counting(progress, total))
     if any(s.mode != "raw" for *_, plan, _ in planned for s in plan.steps):
         import torch  # noqa: F401  (imported before the clock starts: a one-off, not conversion time)
     t0 = time.perf_counter()

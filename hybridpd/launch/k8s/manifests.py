@@ -131,8 +131,7 @@ def write_output(m: Manifests, path: str) -> list[str]:
     import shutil
     import tempfile
 
-    from hybridpd.errors import OutputError
-    from hybridpd.fsutil import write_atomic
+    from hybridpd.fsutil import nothing_written, write_atomic
 
     fld = "-o/--output"
     if not (path.endswith(os.sep) or os.path.isdir(path)):
@@ -151,7 +150,7 @@ def write_output(m: Manifests, path: str) -> list[str]:
     try:
         tmp = tempfile.mkdtemp(prefix=".hybridpd-", dir=parent)
     except OSError as e:
-        raise OutputError(f"cannot write {target}: {e.strerror}; nothing was written", field=fld) from None
+        raise nothing_written(target, e, field=fld) from None
     try:
         for fname, text in files.items():
             write_atomic(os.path.join(tmp, fname), text, field=fld)
@@ -162,6 +161,6 @@ def write_output(m: Manifests, path: str) -> list[str]:
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
-            raise OutputError(f"cannot write {target}: {e.strerror or e}; nothing was written", field=fld) from None
+            raise nothing_written(target, e, field=fld) from None
         raise
     return [os.path.join(target, f) for f in files]
