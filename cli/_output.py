@@ -260,13 +260,14 @@ def _rich_report(console: Any, report: Report) -> None:
                 for line in _wrap(t.caption, total, "", ""):
                     console.print(Text(line, style="dim"), overflow="ignore", crop=False, no_wrap=True)
             continue
-        rt = RTable(title=t.title, title_justify="left", title_style="bold", show_lines=False, expand=False)
+        # Text, never str: rich would read "[word ...]" in a cell as markup and drop it (and parsing costs time)
+        rt = RTable(title=Text(t.title), title_justify="left", title_style="bold", show_lines=False, expand=False)
         for h, w, col in zip(headers, widths, zip(*cells, strict=True) if cells else [()] * len(widths),
                              strict=True):
             numeric = bool(col) and all(_PLAIN_NUMBER.fullmatch(c) for c in col)
-            rt.add_column(h, width=w, overflow="fold", no_wrap=False, justify="right" if numeric else "left")
+            rt.add_column(Text(h), width=w, overflow="fold", no_wrap=False, justify="right" if numeric else "left")
         for row in cells:
-            rt.add_row(*row)
+            rt.add_row(*(Text(c) for c in row))
         console.print(rt)
         if t.caption:
             for line in _wrap(t.caption, total, "", ""):

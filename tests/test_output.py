@@ -4,6 +4,7 @@ against tabulate itself (the independent oracle) over generated tables, and the 
 from __future__ import annotations
 
 import string
+from typing import Any
 
 from hybridpd_cli._output import PIPE_FORMAT, plain_table
 from hypothesis import given, settings
@@ -55,3 +56,14 @@ def test_other_formats_are_tabulates() -> None:
     assert plain_table(headers, rows, "markdown") == oracle(headers, rows, "pipe")
     for fmt in ("github", "grid", "plain"):
         assert plain_table(headers, rows, fmt) == oracle(headers, rows, fmt)
+
+
+def test_rich_cells_are_text_not_markup(capsys: Any) -> None:
+    # rich reads "[word ...]" as a markup tag: a cell, header or title holding one must still print as given
+    from hybridpd_cli._output import Report, Table, emit_report
+
+    emit_report(Report(tables=[Table(title="[b] title", headers=["[x] head"], rows=[["[x|B|C] kept"], ["[bold]b"]])]),
+                "rich", width=60)
+    out = capsys.readouterr().out
+    for s in ("[b] title", "[x] head", "[x|B|C] kept", "[bold]b"):
+        assert s in out, out
