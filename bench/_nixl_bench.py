@@ -106,6 +106,26 @@ def _vm_readv(ctx: BenchContext) -> Callable[[], None] | None:
     return step
 
 
+def _memcpy_descs(ctx: BenchContext) -> Callable[[], None]:
+    """memmove of the request's descriptors inside the D process: from a local shadow of each P tensor (same
+    offsets) to D's own addresses -- the same scatter/gather pattern as the READ, without a second process."""
+    calls = []
+    for p_rank, la, ra, ln in _request(ctx, coalesced=False):
+        bases = np.array(sorted(ctx.peers[p_rank].bases), dtype=np.uint64)
+        j = np.searchsorted(bases, ra, side="right") - 1
+        off = ra - bases[j]
+        shadow = {int(k): np.full(int((off[j == k] + ln[j == k]).max()), 1, dtype=np.uint8) for k in np.unique(j)}
+        src = np.array([shadow[int(k)].ctypes.data for k in j], dtype=np.uint64) + off
+        calls.append((la.astype(np.int64).tolist(), src.astype(np.int64).tolist(), ln.astype(np.int64).tolist(), shadow))
+
+    def step() -> None:
+        for dst, src, ln, _ in calls:
+            for d, s, n in zip(dst, src, ln, strict=True):
+                ctypes.memmove(d, s, n)
+
+    return step
+
+
 def _alt_reader(ctx: BenchContext, env: dict[str, str]) -> tuple[Reader, Any]:
     """A second D agent, created under other UCX settings (UCX reads them when an agent's context is made),
     over the same memory and descriptor lists: the rehearsal's READ under both settings, interleaved."""
@@ -159,6 +179,8 @@ def variants(ctx: BenchContext, alt_ucx: dict[str, str] | None = None) -> dict[s
         dst = np.zeros(nbytes, dtype=np.uint8)
         steps["memcpy"] = lambda: np.copyto(dst, src)
         out["memcpy"] = {"bytes": nbytes, "read_times_s": []}
+        steps["memcpy_descs"] = _memcpy_descs(ctx)
+        out["memcpy_descs"] = {"read_times_s": []}
         raw = _vm_readv(ctx)
         if raw is not None:
             steps["vm_readv"] = raw

@@ -13,7 +13,9 @@ each D rank process, ``--rounds`` rounds run back to back (bench/_nixl_bench.py 
 * ``bare``: the same descriptors as one initialize_xfer READ made once and re-posted (no per-request make);
 * ``coalesced``: bare, with descriptors contiguous on both sides merged (a what-if; vLLM does not do it);
 * ``vm_readv``: a raw process_vm_readv of the request's descriptors (the kernel copy UCX's cma uses);
-* ``memcpy``: numpy copy of the same number of bytes in the D process (the baseline).
+* ``memcpy``: numpy copy of the same number of bytes in the D process (the baseline);
+* ``memcpy_descs``: memmove of the request's descriptors one by one in the D process, from a local shadow of
+  P's tensors to D's addresses: the READ's scatter/gather pattern without a second process.
 
 The rehearsal's figures are its READ time (first make_prepped_xfer to the last DONE, as ``verify`` reports
 it); ``+release`` rows count the same calls with the telemetry read-out and the handle release after DONE.
@@ -42,7 +44,7 @@ from hybridpd.verify.nixl_agent import run_nixl
 from hybridpd.verify.rehearsal import make_setup
 from hybridpd.verify.verdict import RankResult
 
-ORDER = ("rehearsal", "rehearsal_alt", "bare", "coalesced", "vm_readv", "memcpy")
+ORDER = ("rehearsal", "rehearsal_alt", "bare", "coalesced", "vm_readv", "memcpy_descs", "memcpy")
 UCX_DEFAULT = "UCX_CMA_SEG_SIZE=512k"  # UCX's own cma segment; the rehearsal sets 64m (hybridpd.verify.nixl_wrap)
 
 
