@@ -17,24 +17,14 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _cuda_timing import best_time  # noqa: E402 (bench/ is the script's own directory)
 
 
-def best_ms(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b))
-    return best
+def best_ms(fn: Any, repeat: int) -> float:
+    return best_time(fn, repeat, warmup=1) * 1e3
 
 
 def main() -> None:
