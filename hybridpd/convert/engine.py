@@ -280,13 +280,20 @@ class Engine:
         row_in = step.in_channels[0] * step.length * step.elem
         for r0, rows in self._chunks(step, row_in):
             win = src.map(e, r0 * row_in, rows * row_in)
-            outs = self._gather_chunk(step, win.view, rows)
+            # the source checksum reads the window while this thread reshapes it (the pages come in once);
+            # the window closes when both are done
+            done = _Release([win], 2)
+            self._workers[0].submit(partial(_digest, [src], [win], done))
+            try:
+                outs = self._gather_chunk(step, win.view, rows)
+            finally:
+                done()
 
             def job(outs: list[memoryview] = outs) -> None:
                 for sink, out in zip(sinks, outs, strict=True):
                     sink.write(out)
 
-            self._submit(job, reads=partial(_digest, [src], [win], _Release([win], 1)))
+            self._submit(job)
             self.progress(rows * row_in)
 
     def _gather_chunk(self, step: Step, view: memoryview, rows: int) -> list[memoryview]:

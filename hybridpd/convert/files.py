@@ -310,6 +310,8 @@ class Writer:
     (the source checksum is only known once every input byte has been read).
     """
 
+    PIECE = 1 << 20  # bytes hashed and staged together (fits in L2)
+
     def __init__(self, out: AtomicFile, entries: Sequence[tuple[str, str, Sequence[int], int]],
                  metadata: Mapping[str, str], *, checksum: str) -> None:
         self.out = out
@@ -336,9 +338,14 @@ class Writer:
         if n > self._left:  # pragma: no cover - engine bug guard
             raise AssertionError("tensor overflow")
         self._left -= n
-        if self.hasher is not None:
-            self.hasher.update(data)
-        self.out.write(data)
+        if self.hasher is None:
+            self.out.write(data)
+        else:  # hash a piece, then stage it while it is still in cache: one pass over memory, not two
+            mv = memoryview(data).cast("B") if isinstance(data, memoryview) and data.format != "B" else memoryview(data)
+            for off in range(0, n, self.PIECE):
+                piece = mv[off:off + self.PIECE]
+                self.hasher.update(piece)
+                self.out.write(piece)
         self.bytes_written += n
 
     def copy(self, window: Window) -> None:
