@@ -10,8 +10,8 @@ from typing import Any
 
 import click
 
-from hybridpd.errors import HybridPDError
-from hybridpd.launch.proxy.config import EVENT_LOOPS, POLICIES, ProxyConfig
+from hybridpd.errors import HybridPDError, UsageError
+from hybridpd.launch.proxy.config import EVENT_LOOPS, POLICIES, ProxyConfig, ProxyConfigError
 
 #: The environment variables the API keys come from (not argv, which other users of the host can read).
 KEY_ENV = {
@@ -96,7 +96,12 @@ def proxy(log_level: str, **config: Any) -> None:
     from hybridpd.launch.proxy.server import run_proxy
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = ProxyConfig(**config, **{name: os.environ.get(env) or None for name, env in KEY_ENV.items()})
+    try:
+        cfg = ProxyConfig(**config, **{name: os.environ.get(env) or None for name, env in KEY_ENV.items()})
+    except ProxyConfigError as e:  # name the flag (or variable) the user set, not the config field
+        flags = {p.name: p.opts[0] for p in proxy.params}
+        where = flags.get(e.field or "") or KEY_ENV.get(e.field or "") or e.field
+        raise UsageError(e.message, field=where, fix=e.fix) from None
     try:
         run_proxy(cfg)
     except OSError as exc:  # typically: address already in use

@@ -9,6 +9,7 @@ class HybridPDError(Exception):
     exit_code = 1
 
     def __init__(self, message: str, *, field: str | None = None, fix: str | None = None) -> None:
+        self.message = message
         self.field = field
         self.fix = fix
         text = message

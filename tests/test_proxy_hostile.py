@@ -470,3 +470,18 @@ def test_idle_flood_past_the_open_file_limit_does_not_lock_out_clients(tmp_path:
         assert "Too many open files" not in text, text[-2000:]
 
     run(go())
+
+
+@pytest.mark.parametrize(("argv", "env", "named"), [
+    (["--prefill", "x", "--decode", "http://127.0.0.1:8200"], {}, "--prefill"),
+    (["--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8100/v1"], {}, "--decode"),
+    (["--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200"], {"HYBRIDPD_PROXY_API_KEY": "a b"},
+     "HYBRIDPD_PROXY_API_KEY"),
+])
+def test_proxy_cli_errors_name_the_flag_or_variable(argv: list[str], env: dict[str, str], named: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code, served, err = proxy_cli(argv, monkeypatch)
+    lines = err.strip().splitlines()
+    assert code == 2 and served == [] and len(lines) == 1 and lines[0].startswith(f"Error: {named}: "), err
