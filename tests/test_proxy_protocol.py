@@ -374,7 +374,7 @@ def test_cli_accepts_the_launchers_flags_and_reads_keys_from_env(monkeypatch: py
     assert (cfg.policy, cfg.port, cfg.prefill_timeout_s, cfg.api_key, cfg.backend_api_key) == (
         "least_outstanding", 8000, 30.0, "k1", None)
     code, served, err = proxy_cli(["--prefill", "http://p:1/v1", "--decode", "http://d:1"], monkeypatch)
-    assert (code, served) == (2, []) and err.startswith("Error: prefill_urls: ") and err.count("\n") == 1
+    assert (code, served) == (2, []) and err.startswith("Error: --prefill: ") and err.count("\n") == 1
 
 
 def test_cli_port_in_use_is_one_error_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
