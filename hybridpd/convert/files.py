@@ -157,6 +157,11 @@ def _writer_of(name: str, final: Path) -> int | None:
     return got[1] if got is not None and got[0] == stem else None
 
 
+def _bytes(data: memoryview | bytes) -> memoryview:
+    """``data`` as a flat view of bytes (a typed memoryview is cast, not copied)."""
+    return memoryview(data).cast("B") if isinstance(data, memoryview) and data.format != "B" else memoryview(data)
+
+
 class AtomicFile:
     """Write ``final`` through a temporary file in the same directory; ``commit`` makes it appear whole.
 
@@ -220,7 +225,7 @@ class AtomicFile:
             pending.result()
 
     def write(self, data: memoryview | bytes) -> None:
-        mv = memoryview(data).cast("B") if isinstance(data, memoryview) and data.format != "B" else memoryview(data)
+        mv = _bytes(data)
         if not self._stages:
             self._pwrite(self.fd, mv, self._pos)
             self._pos += mv.nbytes
@@ -341,7 +346,7 @@ class Writer:
         if self.hasher is None:
             self.out.write(data)
         else:  # hash a piece, then stage it while it is still in cache: one pass over memory, not two
-            mv = memoryview(data).cast("B") if isinstance(data, memoryview) and data.format != "B" else memoryview(data)
+            mv = _bytes(data)
             for off in range(0, n, self.PIECE):
                 piece = mv[off:off + self.PIECE]
                 self.hasher.update(piece)
