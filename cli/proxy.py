@@ -106,8 +106,3 @@ def proxy(log_level: str, **config: Any) -> None:
         run_proxy(cfg)
     except OSError as exc:  # typically: address already in use
         raise HybridPDError(f"cannot serve on {cfg.host}:{cfg.port}: {exc}") from None
-
-
-def takes(flag: str) -> bool:
-    """Whether `hybridpd proxy` takes ``flag`` (``serve`` passes --shutdown-grace only if it does)."""
-    return any(flag in p.opts for p in proxy.params)

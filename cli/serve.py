@@ -198,8 +198,6 @@ def _options(kw: dict[str, Any], vllm_args: tuple[str, ...]) -> LaunchOptions:
     from hybridpd.launch.commands import LaunchOptions, parse_devices
     from hybridpd.launch.serve import PROXY_TIMEOUTS, proxy_args
 
-    from .proxy import takes as proxy_has
-
     ours = not kw["proxy_command"] and kw["router"] == "hybridpd"
     return LaunchOptions(
         role=kw["role"], num_prefill=kw["num_prefill"], num_decode=kw["num_decode"], host=kw["host"],
@@ -212,7 +210,7 @@ def _options(kw: dict[str, Any], vllm_args: tuple[str, ...]) -> LaunchOptions:
         proxy_command=tuple(shlex.split(kw["proxy_command"])) if kw["proxy_command"] else None,
         router=kw["router"], router_executable=kw["vllm_router"],
         proxy_args=proxy_args(kw["proxy_args"], {k: kw[k] for k in PROXY_TIMEOUTS},
-                              grace=float(kw["grace"]) if ours and proxy_has("--shutdown-grace") else None),
+                              grace=float(kw["grace"]) if ours else None),
         kv_extra_config=(("kv_lease_duration", kw["kv_lease"]),) if kw["kv_lease"] is not None else (),
         nixl_progress_delay_us=0 if kw["emit"] else kw["nixl_progress_delay_us"],
         auto_block_size=kw["auto_block_size"], allow_errors=kw["force"])
