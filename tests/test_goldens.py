@@ -111,3 +111,8 @@ def test_convert_json(capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_m
     # by hand: rank r of TP2 keeps 160 of 320 conv channels (x 128 + B 16 + C 16) and 4 of 8 heads
     out = {t["name"].rsplit(".", 1)[-1]: t["shape_out"] for t in d["tensors"]}
     assert out["conv_state"] == [[4, 160, 3]] * 2 and out["ssm_state"] == [[4, 4, 32, 16]] * 2
+    # the output records the model by its folder name, never by the absolute path it was given (which would make
+    # the header, and so the byte counts above, depend on where the test runs)
+    from hybridpd.convert.header import read_header
+    meta = read_header(tmp_path / "ds.safetensors").metadata
+    assert meta["hybridpd.model"] == tiny_models["nemoh"].name and str(tmp_path) not in json.dumps(meta)

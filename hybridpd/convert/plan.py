@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from math import prod
+from pathlib import Path
 
 from hybridpd.convert.header import STATE_DTYPES, Header, TensorEntry
 from hybridpd.core.families import MambaDims
@@ -38,7 +39,7 @@ META_CONV_TENSORS = "hybridpd.conv_tensors"  # JSON list: names of the conv stat
 META_SSM_TENSORS = "hybridpd.ssm_tensors"  # JSON list: names of the SSM states
 META_DIMS = "hybridpd.mamba_dims"  # JSON MambaDims: lets merge/check work without --model
 META_NUM_SPEC = "hybridpd.num_speculative_tokens"
-META_MODEL = "hybridpd.model"  # --model as given, when given
+META_MODEL = "hybridpd.model"  # --model when given: a Hub id as given, a local path by its folder name only
 META_SOURCE_CHECKSUM = "hybridpd.source_checksum"  # "<algo>:<hex>" of each source's data section, comma-joined
 META_VERSION = "hybridpd.version"
 
@@ -53,6 +54,17 @@ def _ranges(idx: Sequence[int]) -> tuple[Run, ...]:
         else:
             runs.append([i, i + 1])
     return tuple((a, b) for a, b in runs)
+
+
+def model_label(model: str) -> str:
+    """What the output file records of ``--model``: a Hub id unchanged, a local path only by its last component.
+
+    An absolute path would make the output depend on where the user (or pytest) keeps the model: the header, and so
+    the shard sizes, would change with the path's length, and the file would carry the user's directory layout."""
+    path = Path(model).expanduser()
+    if path.is_absolute() or path.exists():
+        return path.resolve().name or model
+    return model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +128,7 @@ class Geometry:
                                        "intermediate_size": d.intermediate_size}, sort_keys=True),
                 META_NUM_SPEC: str(self.num_spec), META_STATE_LEN: str(self.state_len)}
         if self.model:
-            meta[META_MODEL] = self.model
+            meta[META_MODEL] = model_label(self.model)
         return meta
 
     @staticmethod
