@@ -94,14 +94,49 @@ def test_hetero_kernel_blocks_refused_through_0_26_accepted_from_0_27() -> None:
 
 
 def test_prefix_caching_default_and_mode_per_release() -> None:
-    # model.py: "Hybrid models do not support prefix caching" through 0.25; models/config.py: 'all' for
+    # config/model.py: "Hybrid models do not support prefix caching" through 0.25; engine/arg_utils.py 0.26.0 and
+    # 0.27.1: default_prefix_caching = is_prefix_caching_supported and not model_config.is_hybrid ("keep it opt-in
+    # for now"), 0.28.0: default_prefix_caching = is_prefix_caching_supported; models/config.py: 'all' for
     # SupportsMambaPrefixCaching models through 0.27, 'align' from 0.28; cache.py drops 'all' in 0.32
-    got = {v: (_plan("nano", v).prefill.prefix_caching, _plan("nano", v).prefill.mamba_cache_mode)  # type: ignore[attr-defined]
-           for v in ("0.25", "0.26", "0.27", "0.28", "0.32")}
-    assert got == {"0.25": (False, "none"), "0.26": (True, "all"), "0.27": (True, "all"), "0.28": (True, "align"),
-                   "0.32": (True, "align")}
-    assert "ssm-one-local-block" in _codes(_plan("nano", "0.26"))  # assert present 0.23-0.26
-    assert "ssm-one-local-block" not in _codes(_plan("nano", "0.27"))
+    def got(**kw: object) -> dict[str, tuple[bool, str]]:
+        return {v: (_plan("nano", v, **kw).prefill.prefix_caching, _plan("nano", v, **kw).prefill.mamba_cache_mode)  # type: ignore[attr-defined]
+                for v in ("0.25", "0.26", "0.27", "0.28", "0.32")}
+    assert got() == {"0.25": (False, "none"), "0.26": (False, "none"), "0.27": (False, "none"),
+                     "0.28": (True, "align"), "0.32": (True, "align")}
+    assert got(enable_prefix_caching=True) == {"0.25": (True, "all"), "0.26": (True, "all"), "0.27": (True, "all"),
+                                               "0.28": (True, "align"), "0.32": (True, "align")}
+    on = {"enable_prefix_caching": True}
+    assert "ssm-one-local-block" in _codes(_plan("nano", "0.26", **on))  # assert present 0.23-0.26
+    assert "ssm-one-local-block" not in _codes(_plan("nano", "0.27", **on))
+
+
+def test_default_block_sizes_026_027_are_prefix_caching_off() -> None:
+    # issue 32 item 6a: vLLM 0.26.0/0.27.1 keep hybrid prefix caching off, so nano-fp8 (fp8 KV, fp32 SSM) gets
+    # the prefix-caching-off blocks 4176 (TP 1) / 2096 (TP 4), not the 'all'-mode 4224 / 2176
+    for v in ("0.26", "0.27"):
+        p = _plan("nano-fp8", v, 1, 4)
+        assert (p.prefill.block_size, p.decode.block_size) == (4176, 2096), v  # type: ignore[attr-defined]
+        on = _plan("nano-fp8", v, 1, 4, enable_prefix_caching=True)
+        assert (on.prefill.block_size, on.decode.block_size) == (4224, 2176), v  # type: ignore[attr-defined]
+
+
+def test_unequal_logical_blocks_equal_kernel_trim_to_the_shorter_side() -> None:
+    # issue 32 item 6b, vLLM's own figure: 0.22-0.24, nano-fp8 P TP 1 (block 4176 = 261 x 16) -> D TP 4 (2096 =
+    # 131 x 16), ISL 1000: 16,023,552 B and 1,668 descriptors per D rank (nixl worker _apply_prefix_caching, the
+    # Mamba-hybrid branch: num_blocks = min(num_local_blocks, num_remote_blocks) over kernel ids)
+    for v in ("0.22", "0.23", "0.24"):
+        t = build_plan("nano-fp8", prefill=EngineSettings(tp=1), decode=EngineSettings(tp=4), vllm_version=v,
+                       isls=(1000,)).transfers[0]
+        assert {(r.bytes, r.descriptors) for r in t.per_rank} == {(16_023_552, 1_668)}, v
+
+
+def test_attention_free_mamba2_moves_in_020_only() -> None:
+    # 0.20.2 nixl/worker.py add_remote_agent: _build_fa_remote_for_mamba + _build_mamba_remote, no attention-group
+    # lookup; 0.21.0 _build_fa_remote: fa_group_idx = next(i for ... if _is_attention_spec(t)) -> StopIteration
+    p20 = _plan("mamba2-2.7b", "0.20")
+    assert "attention-free" not in _codes(p20) and p20.transfers  # type: ignore[attr-defined]
+    for v in ("0.21", "0.24", "0.33"):
+        assert "attention-free" in _codes(_plan("mamba2-2.7b", v)), v
 
 
 def test_cpu_conv_layout_per_release_and_host() -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from hybridpd.core.layout import SideLayout
-from hybridpd.core.profiles import Target, format_version
+from hybridpd.core.profiles import PROFILES, Target, format_version
 from hybridpd.core.semantics import OUTSIDE_CONV, check_conv
 from hybridpd.core.transfer import RankRoute, prefill_backoff
 
@@ -77,8 +77,6 @@ _KINDS = {"mamba1": "Mamba-1", "gdn": "GatedDeltaNet", "mamba2": "Mamba-2"}
 
 
 def _first_release_moving(kind: str) -> str | None:
-    from hybridpd.core.profiles import PROFILES
-
     return next((format_version(p.first) for p in PROFILES if kind in p.pd_mamba_types), None)
 
 
@@ -115,11 +113,14 @@ def nixl_version(ctx: Context) -> Iterator[Finding]:
 
 @rule
 def attention_free(ctx: Context) -> Iterator[Finding]:
-    if ctx.p.model.has_mamba and not ctx.p.model.attention_layers and ctx.p.model.mamba is not None:
+    prof = ctx.p.profile
+    if ctx.p.model.has_mamba and not ctx.p.model.attention_layers and ctx.p.model.mamba is not None \
+            and not prof.attention_free_pd:
+        first = next((format_version(q.checked) for q in PROFILES if q.attention_free_pd), None)
         yield Finding(severity=ERROR, code="attention-free",
-                      message="attention-free model: no attention backend, the block size is never aligned and the "
-                              "P/D handshake fails (the remote FA builder finds no attention spec)",
-                      fix="serve it without disaggregation")
+                      message=f"attention-free model: vLLM {prof.name}'s P/D handshake fails (_build_fa_remote looks up "
+                              "the attention group: StopIteration without one)",
+                      fix="serve it without disaggregation" + (f", or use vLLM {first}" if first else ""))
 
 
 @rule
@@ -193,15 +194,18 @@ def conv_layout(ctx: Context) -> Iterator[Finding]:
 
 @rule
 def hma(ctx: Context) -> Iterator[Finding]:
-    if not ctx.p.model.is_hybrid:
+    m = ctx.p.model
+    attention_free = m.has_mamba and not m.attention_layers and ctx.p.profile.attention_free_pd
+    if not m.is_hybrid and not attention_free:
         return
     if ctx.p.settings.disable_hybrid_kv_cache_manager:
         return  # reported by side_errors
     if ctx.p.profile.hma_auto_disabled:
+        fails = ("the NIXL worker then asserts _is_hma_required for Mamba groups" if attention_free else
+                 "a hybrid model then fails ('failed to convert the KV cache specs to one unified type')")
         yield Finding(severity=WARNING, code="hma-auto-disabled",
                       message=f"with --kv-transfer-config set, vLLM {ctx.p.profile.name} turns the hybrid KV cache "
-                              "manager off, and a hybrid model then fails ('failed to convert the KV cache specs to "
-                              "one unified type')",
+                              f"manager off, and {fails}",
                       fix="pass --no-disable-hybrid-kv-cache-manager on P and D")
     else:
         yield Finding(severity=INFO, code="hma-required",

@@ -133,7 +133,8 @@ def build_plan(model: str | ModelSpec, *, prefill: EngineSettings, decode: Engin
     a, b = sorted((p.tp, d.tp))
     rts = None
     movable = not spec.mamba_type or (spec.mamba_type in prof.pd_mamba_types and spec.state_modelled)
-    if b % a == 0 and not p.errors and not d.errors and p.attention_groups and movable:
+    attention_ok = bool(p.attention_groups) or (spec.has_mamba and prof.attention_free_pd)
+    if b % a == 0 and not p.errors and not d.errors and attention_ok and movable:
         rts = routes(p, d)
     agree = sides_agree(p, d)
     rec = recommended_block(spec, p, d) if spec.is_hybrid and not agree else None

@@ -52,8 +52,11 @@ class VllmProfile:
     coalesces_contiguous_blocks: bool  # NIXL's descCount merges contiguous FA rows (dense routes)
     derives_remote_ratio: bool  # 0.20: remote ratio = ceil((conv+ssm)/kernel_page)  (bug §3.9.1)
     remote_expansion_uses_local_ratio: bool  # < 0.22: arange(local ratio) for remote ids (bug §3.9.2)
+    fa_trims_to_shorter_side: bool  # 0.22+: Mamba hybrids trim P's and D's FA kernel ids to the shorter list
+    attention_free_pd: bool  # 0.20: an attention-free model passes the handshake (0.21+: _build_fa_remote's
+    #   next(attention group) raises StopIteration)
     rounds_to_backend_alignment: bool  # 0.32+: attn block rounded to lcm of backends' minimum kernel block
-    prefix_caching_default_hybrid: bool  # ModelConfig.is_prefix_caching_supported() for attn_type "hybrid"
+    prefix_caching_default_hybrid: bool  # engine/arg_utils.py default_prefix_caching for a hybrid (0.26-0.27: opt-in)
     prefix_caching_mode: str  # mamba_cache_mode chosen when prefix caching is on: "all" | "align"
     mamba_cache_modes: tuple[str, ...]  # config/cache.py MambaCacheMode literal
     hetero_block_rule: str  # "equal_kernel": HMA asserts block_size_ratio == 1; "divisible": a ratio is accepted
@@ -98,6 +101,7 @@ _RELEASES: tuple[tuple[str, Version, Version, Version, dict[str, Any]], ...] = (
     ("0.20", (0, 20, 0), (0, 20, 99), (0, 20, 2), dict(
         nixl_connector_version=2, fa_fp32_mamba_kernel_sizes=(16, 32, 64), kv_descs_per_block=2,
         coalesces_contiguous_blocks=False, derives_remote_ratio=True, remote_expansion_uses_local_ratio=True,
+        fa_trims_to_shorter_side=False, attention_free_pd=True,
         rounds_to_backend_alignment=False, prefix_caching_default_hybrid=False, prefix_caching_mode="all",
         mamba_cache_modes=("all", "align", "none"), hetero_block_rule="equal_kernel",
         pd_mamba_types=frozenset({"mamba2"}), kv_role_both_deprecated=False, nemotron_ssm_default="float32",
@@ -109,10 +113,12 @@ _RELEASES: tuple[tuple[str, Version, Version, Version, dict[str, Any]], ...] = (
         notes=("remote ratio derived as ceil((conv+ssm)/kernel_page) (reference §3.9.1); HMA turned off whenever "
                "--kv-transfer-config is set (config/vllm.py)",))),
     ("0.21", (0, 21, 0), (0, 21, 99), (0, 21, 0), dict(
-        nixl_connector_version=3, derives_remote_ratio=False, cpu_attn_multiple_of=16,
-        notes=("physical_blocks_per_logical sent in the handshake; remote ids still expanded with the local ratio",))),
+        nixl_connector_version=3, derives_remote_ratio=False, cpu_attn_multiple_of=16, attention_free_pd=False,
+        notes=("physical_blocks_per_logical sent in the handshake; remote ids still expanded with the local ratio; "
+               "the handshake's _build_fa_remote looks up the attention group (StopIteration without one)",))),
     ("0.22", (0, 22, 0), (0, 22, 99), (0, 22, 1), dict(
         nixl_connector_version=4, remote_expansion_uses_local_ratio=False, hma_auto_disabled=False,
+        fa_trims_to_shorter_side=True,
         hetero_tp_doc_experimental=False,
         cpu_sd_conv_when="amx", cpu_sd_overrides_env=True, pd_mamba_types=frozenset({"mamba2", "gdn"}),
         notes=("HMA kept when the connector subclasses SupportsHMA (NixlConnector does); remote ids expanded with "
@@ -127,16 +133,17 @@ _RELEASES: tuple[tuple[str, Version, Version, Version, dict[str, Any]], ...] = (
         notes=("FLASH_ATTN always MultipleOf(16): the kernel block is the logical block",))),
     ("0.26", (0, 26, 0), (0, 26, 99), (0, 26, 0), dict(
         nixl_connector_version=5, kv_descs_per_block=1, coalesces_contiguous_blocks=True,
-        prefix_caching_default_hybrid=True, cpu_fp32_ssm_when="amx",
-        notes=("K and V packed in one descriptor per block (FA shape (nb, H, N, 2D)); prefix caching on by default "
-               "for hybrids",))),
+        cpu_fp32_ssm_when="amx",
+        notes=("K and V packed in one descriptor per block (FA shape (nb, H, N, 2D)); hybrids support prefix "
+               "caching but keep it opt-in (engine/arg_utils.py: 'not model_config.is_hybrid')",))),
     ("0.27", (0, 27, 0), (0, 27, 99), (0, 27, 0), dict(
         hetero_block_rule="divisible", ssm_one_local_block_assert=False,
         notes=("HMA accepts a divisible remote block-size ratio; the one-local-SSM-block assert is gone",))),
     ("0.28", (0, 28, 0), (0, 28, 99), (0, 28, 0), dict(
-        nixl_connector_version=7, prefix_caching_mode="align", compat_hash_fields=HASH_028,
-        notes=("prefix caching picks mamba_cache_mode 'align'; spec config and transfer mode join the "
-               "compatibility hash",))),
+        nixl_connector_version=7, prefix_caching_default_hybrid=True, prefix_caching_mode="align",
+        compat_hash_fields=HASH_028,
+        notes=("prefix caching on by default for hybrids, with mamba_cache_mode 'align'; spec config and transfer "
+               "mode join the compatibility hash",))),
     ("0.29", (0, 29, 0), (0, 29, 99), (0, 29, 0), dict(
         nixl_connector_version=9, mamba_descs_ssm_regions_only=True, compat_hash_fields=HASH_029, cpu_sd_conv_when="avx512_bf16",
         cpu_fp32_ssm_when="avx512_bf16", cpu_attn_multiple_of=32,

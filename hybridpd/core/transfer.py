@@ -96,17 +96,36 @@ def kv_head_block_bytes(side: SideLayout) -> int:
     return side.kernel_block_size * kv_head_token_bytes(side)
 
 
-def fa_descs_per_source(p: SideLayout, blocks: int) -> int:
-    """FA descriptors one FA source moves for a request of ``blocks`` logical blocks:
-    tensors x attention groups x kernel blocks x (K and V, or K+V packed)."""
-    return (p.num_shared_tensors * len(p.attention_groups) * blocks * p.physical_per_logical
-            * p.profile.kv_descs_per_block)
+def fa_descs_per_source(p: SideLayout, blocks: int, kernel_blocks: int | None = None) -> int:
+    """FA descriptors one FA source moves for a request of ``blocks`` logical blocks (``kernel_blocks`` kernel
+    blocks per FA group when given, see ``fa_kernel_blocks``): tensors x attention groups x kernel blocks x
+    (K and V, or K+V packed)."""
+    kb = blocks * p.physical_per_logical if kernel_blocks is None else kernel_blocks
+    return p.num_shared_tensors * len(p.attention_groups) * kb * p.profile.kv_descs_per_block
 
 
-def source_request_bytes(p: SideLayout, src: SourceRead, blocks: int) -> tuple[int, tuple[int, ...]]:
+def fa_kernel_blocks(p: SideLayout, d: SideLayout, n: int) -> int:
+    """Kernel blocks each FA group moves for ``n`` transferred tokens.
+
+    P sends its logical ids, D allocates its own for the same ``n`` tokens; both sides expand them to kernel ids
+    with their own ratio.  From 0.22 the worker (``_apply_prefix_caching`` / ``get_exchange_clipped_blocks``, the
+    Mamba-hybrid branch) trims both lists to the shorter one when the kernel blocks are equal (block_size_ratio 1):
+    e.g. P block 4176 (261 kernel blocks of 16), D block 2096 (131) at 999 tokens moves 131, not 261."""
+    if not p.attention_groups:
+        return 0
+    kp = cdiv(n, p.block_size) * p.physical_per_logical
+    if (p.profile.fa_trims_to_shorter_side and p.model.has_mamba and d.attention_groups
+            and p.kernel_block_size == d.kernel_block_size):
+        return min(kp, cdiv(n, d.block_size) * d.physical_per_logical)
+    return kp
+
+
+def source_request_bytes(p: SideLayout, src: SourceRead, blocks: int,
+                         kernel_blocks: int | None = None) -> tuple[int, tuple[int, ...]]:
     """What one request moves from one source P rank: (FA bytes, bytes of each Mamba span in ``mamba_spans``
     order). Every Mamba span moves once per (slot holding SSM state, Mamba group)."""
-    fa = fa_descs_per_source(p, blocks) * src.fa[1] if src.fa is not None and p.attention_groups else 0
+    fa = fa_descs_per_source(p, blocks, kernel_blocks) * src.fa[1] if src.fa is not None and p.attention_groups \
+        else 0
     rows = p.num_ssm_slots * len(p.mamba_groups)
     return fa, tuple(rows * ln for _, ln in src.mamba_spans)
 
@@ -232,6 +251,7 @@ def tokens_transferred(p: SideLayout, isl: int) -> int:
 def request_transfer(p: SideLayout, d: SideLayout, rts: tuple[RankRoute, ...], isl: int) -> RequestTransfer:
     n = tokens_transferred(p, isl)
     blocks = cdiv(n, p.block_size) if p.attention_groups else 0
+    kblocks = fa_kernel_blocks(p, d, n)
     T = p.num_shared_tensors
     Ts = p.num_ssm_slots
     G = len(p.mamba_groups)
@@ -245,11 +265,11 @@ def request_transfer(p: SideLayout, d: SideLayout, rts: tuple[RankRoute, ...], i
         merge = p.profile.coalesces_contiguous_blocks and dense and len(rt.fa_sources) <= 1
         fa_bytes = mamba_bytes = descs = descs_min = 0
         for s in rt.sources:
-            fa_b, span_b = source_request_bytes(p, s, blocks)
+            fa_b, span_b = source_request_bytes(p, s, blocks, kblocks)
             fa_bytes += fa_b
             mamba_bytes += sum(span_b)
             if s.fa is not None and p.attention_groups:
-                n_fa = fa_descs_per_source(p, blocks)
+                n_fa = fa_descs_per_source(p, blocks, kblocks)
                 descs += n_fa
                 descs_min += (T * len(p.attention_groups) * kvd if blocks else 0) if merge else n_fa
             if s.conv is not None and G:
