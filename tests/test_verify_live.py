@@ -19,20 +19,55 @@ from hybridpd.verify import live, metrics
 
 
 class FakePD:
-    """D's counters rise by the plan's prediction (or a corrupted one) for each request it receives."""
+    """D's counters rise by the plan's prediction (or a corrupted one) for each request it receives.
 
-    def __init__(self, plan: Any, *, short_bytes: int = 0) -> None:
-        self.plan = plan
+    ``prefix_cache=True``: D keeps a prefix cache of full blocks (a hash chain, as vLLM's block pool does). A
+    prompt whose first ``k`` full blocks D already holds moves only the rest: the bytes of a request ``k*block``
+    tokens shorter, none at all when every block it would read is held; the hits show in
+    ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total`` like vLLM's own counters.
+    ``actual``: the plan the deployment really runs (e.g. another block size); the bytes follow it.
+    """
+
+    def __init__(self, plan: Any, *, short_bytes: int = 0, prefix_cache: bool = False,
+                 actual: Any = None) -> None:
+        self.plan = actual or plan
         self.short = short_bytes
         self.sum = self.count = self.descs = 0.0
         self.requests: list[dict[str, Any]] = []
+        self.prefix_cache = prefix_cache
+        self.block = self.plan.prefill.block_size
+        self.held: set[tuple[Any, ...]] = set()
+        self.queries = self.hits = 0
 
     def _n(self, body: dict[str, Any]) -> int:
         p = body["prompt"]
         return len(p)
 
+    def _move(self, prompt: Any) -> Any:
+        """The transfer D needs for ``prompt`` after its local prefix-cache hits (None: nothing to read)."""
+        n, b = len(prompt), self.block
+        t = self.plan.transfer_for(n)
+        if not self.prefix_cache:
+            return t
+        chains = [tuple(prompt[:k * b]) for k in range(1, t.tokens_transferred // b + 1)]
+        hit = 0
+        for c in chains:
+            if c not in self.held:
+                break
+            hit += 1
+        self.held.update(chains)
+        self.queries += n
+        self.hits += hit * b
+        if hit == 0:
+            return t
+        if hit * b >= t.tokens_transferred:
+            return None
+        return self.plan.transfer_for(n - hit * b)
+
     async def metrics(self, _: web.Request) -> web.Response:
-        return web.Response(text=text(self.sum, self.count, self.descs))
+        extra = (f"vllm:prefix_cache_queries_total{{engine=\"0\"}} {float(self.queries)}\n"
+                 f"vllm:prefix_cache_hits_total{{engine=\"0\"}} {float(self.hits)}\n")
+        return web.Response(text=text(self.sum, self.count, self.descs, extra=extra))
 
     async def prefill(self, req: web.Request) -> web.Response:
         body = await req.json()
@@ -46,18 +81,20 @@ class FakePD:
         body = await req.json()
         self.requests.append(("D", body))
         assert body["kv_transfer_params"]["do_remote_prefill"] is True
-        t = self.plan.transfer_for(self._n(body))
-        self.sum += t.bytes - self.short
-        self.count += t.reads
-        self.descs += t.descriptors
+        t = self._move(body["prompt"])
+        if t is not None:
+            self.sum += t.bytes - self.short
+            self.count += t.reads
+            self.descs += t.descriptors
         return web.json_response({"choices": [{"text": "y"}]})
 
     async def proxy(self, req: web.Request) -> web.Response:
         body = await req.json()
-        t = self.plan.transfer_for(len(body["prompt"]))
-        self.sum += t.bytes
-        self.count += t.reads
-        self.descs += t.descriptors_min
+        t = self._move(body["prompt"])
+        if t is not None:
+            self.sum += t.bytes
+            self.count += t.reads
+            self.descs += t.descriptors_min
         return web.json_response({"choices": [{"text": "z"}]})
 
 
@@ -118,7 +155,9 @@ def test_probe_via_prefill_healthy(serve: Any, tiny_models: dict[str, Path]) -> 
     assert r.comparison.moved_bytes == plan.transfer_for(54).bytes
     assert (r.isl, r.tokens_transferred) == (54, 53)  # N-1: P prefills 53 tokens, D computes the 54th
     (_, pb), (_, db) = fake.requests
-    assert pb["prompt"] == live.prompt_ids(54) and len(db["prompt"]) == 54
+    assert pb["prompt"] == db["prompt"] and len(db["prompt"]) == 54
+    k = live.NONCE_TOKENS
+    assert pb["prompt"][k:] == live.prompt_ids(54)[k:]  # a random start, then the fixed filler
     assert db["kv_transfer_params"]["remote_num_tokens"] == 54  # P's params passed on unchanged
 
 
@@ -204,3 +243,48 @@ def test_default_probes_catch_a_wrong_dtype_or_tp(tiny_models: dict[str, Path]) 
     assert all(fp8.transfer_for(n).bytes != base.transfer_for(n).bytes for n in isls)
     tp2 = plan_for(tp=2)
     assert all(tp2.transfer_for(n).reads != base.transfer_for(n).reads for n in isls)
+
+
+def _three_runs(serve: Any, fake: FakePD, plan: Any, proxy: bool) -> list[live.LiveResult]:
+    d, p, x = _servers(serve, fake)
+    kw = {"proxy_url": x} if proxy else {"prefill_url": p}
+    return [live.run_probes(d, plan, "m", **kw) for _ in range(3)]
+
+
+@pytest.mark.parametrize("model", ["llama", "nemoh"])
+@pytest.mark.parametrize("proxy", [False, True])
+def test_verify_three_times_with_prefix_caching(serve: Any, tiny_models: dict[str, Path], model: str,
+                                                proxy: bool) -> None:
+    """Issue #27/#32: `verify` run 3 times against one healthy deployment with D's prefix cache on passes every
+    time (each probe starts with a fresh nonce, so D holds none of its blocks)."""
+    plan = _plan(tiny_models, model)
+    fake = FakePD(plan, prefix_cache=True)
+    runs = _three_runs(serve, fake, plan, proxy)
+    assert [r.ok for r in runs] == [True] * 3, [r.probes[0].mismatches for r in runs]
+    assert fake.queries > 0 and fake.hits == 0
+
+
+@pytest.mark.parametrize("model", ["llama", "nemoh"])
+def test_fixed_probes_fail_on_the_second_run(serve: Any, tiny_models: dict[str, Path], model: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old fixed prompts: D's prefix cache serves the repeat, fewer bytes move, a healthy deployment fails."""
+    monkeypatch.setattr(live, "new_nonce", lambda: [])
+    plan = _plan(tiny_models, model)
+    fake = FakePD(plan, prefix_cache=True)
+    d, p, _ = _servers(serve, fake)
+    live.run_probes(d, plan, "m", prefill_url=p)
+    second = live.run_probes(d, plan, "m", prefill_url=p)
+    assert not second.ok and fake.hits > 0
+
+
+def test_verify_three_times_still_fails_for_a_wrong_block_size(serve: Any, tiny_models: dict[str, Path]) -> None:
+    """A deployment at block 64 against a plan for 128, prefix cache on: every one of 3 runs fails on bytes."""
+    def plan_for(bs: int) -> Any:
+        s = EngineSettings(block_size=bs, max_model_len=256, enable_prefix_caching=False)
+        return build_plan(str(tiny_models["llama"]), prefill=s, decode=s, vllm_version="0.32", platform="cpu")
+
+    plan, wrong = plan_for(128), plan_for(64)
+    assert wrong.prefill.block_size == 64
+    runs = _three_runs(serve, FakePD(plan, prefix_cache=True, actual=wrong), plan, False)
+    for r in runs:
+        assert not r.ok and any("bytes" in m for pr in r.probes for m in pr.mismatches)

@@ -8,6 +8,7 @@ vLLM pools the NIXL metrics across D's TP ranks, so the deltas are compared with
 from __future__ import annotations
 
 import json
+import random
 import time
 import urllib.request
 from collections.abc import Mapping
@@ -97,8 +98,25 @@ class PassiveResult:
                 "mismatches": list(self.mismatches), "ok": self.ok}
 
 
-def prompt_ids(n: int) -> list[int]:
-    return [100 + i % 500 for i in range(n)]
+NONCE_TOKENS = 8  # 500**8 ≈ 4e21 starts: no earlier probe or request shares a probe's first block
+_RNG = random.SystemRandom()
+
+
+def new_nonce() -> list[int]:
+    """A fresh random start for one probe prompt (per run and per probe), in the same id range as the filler."""
+    return [_RNG.randrange(100, 600) for _ in range(NONCE_TOKENS)]
+
+
+def prompt_ids(n: int, nonce: list[int] | None = None) -> list[int]:
+    """``n`` token ids starting with ``nonce``: with prefix caching on, D can hold no block of it from an earlier
+    probe, run or request (a fixed prompt would be served from D's cache and move fewer bytes on the next run)."""
+    head = list(nonce or [])[:n]
+    return head + [100 + i % 500 for i in range(len(head), n)]
+
+
+def prompt_text(n: int, nonce: list[int] | None = None) -> str:
+    head = "".join(f"{t:03d}" for t in (nonce or []))[:n]
+    return head + "a" * (n - len(head))
 
 
 def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -116,7 +134,8 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 def send_probe(decode_url: str, other_url: str, model_name: str, isl: int, *, proxy: bool = False,
                token_ids: bool = True, timeout: float = 120.0) -> dict[str, Any]:
-    prompt: Any = prompt_ids(isl) if token_ids else "a" * isl
+    nonce = new_nonce()
+    prompt: Any = prompt_ids(isl, nonce) if token_ids else prompt_text(isl, nonce)
     if proxy:
         return {"proxy": _post(other_url, {"model": model_name, "prompt": prompt, "max_tokens": 1}, timeout)}
     p_body = {"model": model_name, "prompt": prompt, "max_tokens": 1,
