@@ -9,6 +9,8 @@ import click
 
 from hybridpd.errors import HybridPDError
 
+from ._output import wrap_message
+
 # optional dependencies -> how to install them (pyproject extras)
 _EXTRAS = {
     "torch": "pip install 'hybridpd[convert]'", "safetensors": "pip install 'hybridpd[convert]'",
@@ -33,13 +35,14 @@ def run_with_errors(cmd: click.Command, argv: list[str] | None, *, debug: bool =
     except HybridPDError as e:
         if debug:
             raise
-        click.echo(f"Error: {e}", err=True)
+        click.echo(wrap_message(f"Error: {e}"), err=True)
         sys.exit(e.exit_code)
     except ModuleNotFoundError as e:
         extra = _EXTRAS.get((e.name or "").split(".")[0])
         if extra is None or debug:
             raise
-        click.echo(f"Error: this command needs {e.name}, which is not installed (fix: {extra})", err=True)
+        click.echo(wrap_message(f"Error: this command needs {e.name}, which is not installed (fix: {extra})"),
+                   err=True)
         sys.exit(1)
     except BrokenPipeError:  # `hybridpd plan ... | head`
         sys.exit(0)

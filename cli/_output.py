@@ -278,6 +278,36 @@ def _rich_report(console: Any, report: Report) -> None:
             console.print(Text(line), overflow="ignore", crop=False, no_wrap=True)
 
 
+_GLUE = re.compile(r"\bHTTP \d{3}\b|\b\d[\d,.]* (?:B|KiB|MiB|GiB|TiB|µs|ms|s|tokens)\b")
+
+
+def stderr_width() -> int | None:
+    """The width to wrap stderr messages to: the terminal's (``COLUMNS`` first, as shutil reads it) when stderr
+    is a terminal or ``COLUMNS`` is set; None otherwise (piped to a log: one line per message, for grep)."""
+    import os
+    import shutil
+
+    if not (os.environ.get("COLUMNS") or sys.stderr.isatty()):
+        return None
+    return shutil.get_terminal_size(fallback=(80, 24)).columns
+
+
+def wrap_message(text: str, width: int | None = None, indent: str = "  ") -> str:
+    """Wrap ``text`` at spaces only (a number with its unit and ``HTTP 500`` kept together, ids and URLs whole,
+    never at hyphens), each continuation line indented; every input line is wrapped on its own."""
+    width = stderr_width() if width is None else width
+    if width is None:
+        return text
+    out: list[str] = []
+    for line in text.splitlines() or [""]:
+        lead = line[:len(line) - len(line.lstrip())]
+        glued = _GLUE.sub(lambda m: m.group(0).replace(" ", "\xa0"), line)  # textwrap never breaks at U+00A0
+        out.extend(w.replace("\xa0", " ") for w in textwrap.wrap(
+            glued, width=max(width, 20), subsequent_indent=lead + indent, break_long_words=False,
+            break_on_hyphens=False) or [line])
+    return "\n".join(out)
+
+
 def hint(message: str) -> None:
     click.echo(message, err=True)
 

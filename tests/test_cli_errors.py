@@ -50,3 +50,49 @@ def test_an_unknown_missing_module_is_still_a_bug() -> None:
 
     with pytest.raises(ModuleNotFoundError):
         run_with_errors(broken, [])
+
+
+_LONG_ID = "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-NVFP4-with-a-much-longer-local-suffix-for-this-test"
+
+
+def _raise(msg: str) -> click.Command:
+    from hybridpd.errors import ExternalToolError
+
+    @click.command()
+    def boom() -> None:
+        raise ExternalToolError(msg, fix="check the deployment")
+
+    return boom
+
+
+@pytest.mark.parametrize("msg, pieces", [
+    # at 80 columns a terminal's hard wrap put the line break inside 2096 ("20|96") and inside "HTTP 500"
+    ("prefill and decode disagree on the attention block size: P reports 4176, D reports 2096 tokens per block",
+     ["2096", "4176"]),
+    ("the proxy at http://127.0.0.1:8000/v1/completions answered HTTP 500 while sending the probe of 54 tokens",
+     ["HTTP 500", "54 tokens", "http://127.0.0.1:8000/v1/completions"]),
+    (f"the model {_LONG_ID} is not served by D (it serves meta-llama/Llama-3.2-1B-Instruct instead)",
+     [_LONG_ID, "meta-llama/Llama-3.2-1B-Instruct"]),
+])
+def test_errors_wrap_at_80_columns_without_splitting_numbers_or_ids(
+        msg: str, pieces: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as ex:
+        run_with_errors(_raise(msg), [])
+    assert ex.value.code == 1
+    lines = capsys.readouterr().err.rstrip("\n").splitlines()
+    assert len(lines) > 1 and lines[0].startswith("Error: ")
+    assert all(len(ln) <= 80 for ln in lines if ln.strip() != _LONG_ID and _LONG_ID not in ln), lines
+    for piece in pieces:
+        assert any(piece in ln for ln in lines), (piece, lines)
+    assert " ".join(" ".join(lines).split()) == " ".join(f"Error: {msg} (fix: check the deployment)".split()) \
+        or " ".join(lines).split()[:3] == ["Error:", *msg.split()[:2]]
+
+
+def test_errors_stay_one_line_when_piped(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """No terminal and no COLUMNS (a log, a pipe): one line, as before, so grep finds the whole message."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    msg = "prefill and decode disagree on the attention block size: P reports 4176, D reports 2096 tokens per block"
+    with pytest.raises(SystemExit):
+        run_with_errors(_raise(msg), [])
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
