@@ -236,13 +236,13 @@ def _convert(s: Setting, text: str, flag: str, where: str) -> Any:
             raise UsageError(f"{flag} has no whole num_speculative_tokens", field=where,
                              fix='write e.g. {"method": "mtp", "num_speculative_tokens": 1}')
         return n
-    v = dict(s.aliases).get(text.lower() if s.field == "attention_backend" else text,
-                            text.lower() if s.field == "attention_backend" else text)
-    if v == "" and s.field == "dtype":
+    key = text.lower() if s.field == "attention_backend" else text
+    name = dict(s.aliases).get(key, key)
+    if name == "" and s.field == "dtype":
         return None
-    if v not in s.choices:
+    if name not in s.choices:
         raise bad
-    return v
+    return name
 
 
 def parse_vllm_args(args: tuple[str, ...] | list[str], *, where: str) -> Overlay:
