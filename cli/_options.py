@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import click
 
 from hybridpd.core.profiles import versions_help
-from hybridpd.core.settings import KV_DTYPES, MAMBA_DTYPES, EngineSettings
+from hybridpd.core.settings import ATTENTION_BACKENDS, KV_DTYPES, MAMBA_DTYPES, MODEL_DTYPES, EngineSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -147,9 +147,9 @@ def engine_options(func: F) -> F:
         click.option("--kv-cache-dtype", type=click.Choice(KV_DTYPES), default="auto", show_default=True),
         click.option("--mamba-cache-dtype", type=click.Choice(MAMBA_DTYPES), default="auto", show_default=True),
         click.option("--mamba-ssm-cache-dtype", type=click.Choice(MAMBA_DTYPES), default="auto", show_default=True),
-        click.option("--dtype", type=click.Choice(["bfloat16", "float16"]), default=None,
+        click.option("--dtype", type=click.Choice(MODEL_DTYPES), default=None,
                      help="Model dtype override."),
-        click.option("--attention-backend", type=click.Choice(["flash_attn", "flashinfer", "triton", "cpu_attn"]),
+        click.option("--attention-backend", type=click.Choice(ATTENTION_BACKENDS),
                      default=None, help="Default: flash_attn (cuda) / cpu_attn (cpu)."),
         click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
                      help="Default: vLLM's default for the version (0.32: on for hybrid)."),
@@ -209,16 +209,8 @@ def target_from(kw: dict[str, Any], *, installed: str | None = None, installed_s
 
 
 def settings_from(kw: dict[str, Any]) -> tuple[EngineSettings, EngineSettings]:
-    common = dict(
-        kv_cache_dtype=kw["kv_cache_dtype"], mamba_cache_dtype=kw["mamba_cache_dtype"],
-        mamba_ssm_cache_dtype=kw["mamba_ssm_cache_dtype"], dtype=kw["dtype"],
-        attention_backend=kw["attention_backend"], enable_prefix_caching=kw["enable_prefix_caching"],
-        num_speculative_tokens=kw["num_speculative_tokens"], max_model_len=kw["max_model_len"],
-        num_blocks=kw["num_blocks"], kv_cache_memory=kw["kv_cache_memory"], gpu_memory=kw["gpu_memory"],
-        gpu_memory_utilization=kw["gpu_memory_utilization"], weights_memory=kw["weights_memory"] or 0,
-        disable_hybrid_kv_cache_manager=kw["disable_hybrid_kv_cache_manager"], conv_layout=kw["conv_layout"],
-        cpu_avx512_bf16=_host_flag(kw["cpu_avx512_bf16"], "avx512_bf16"),
-        cpu_amx_tile=_host_flag(kw.get("cpu_amx_tile"), "amx_tile"))
-    p = EngineSettings(tp=kw["ptp"], block_size=kw["p_block_size"] or kw["block_size"], **common)
-    d = EngineSettings(tp=kw["dtp"], block_size=kw["d_block_size"] or kw["block_size"], **common)
-    return p, d
+    """(P, D) from the engine options, through the settings table (hybridpd.core.settings.SETTINGS)."""
+    from hybridpd.core.settings import pair_from_flags
+
+    return pair_from_flags({**kw, "cpu_avx512_bf16": _host_flag(kw["cpu_avx512_bf16"], "avx512_bf16"),
+                            "cpu_amx_tile": _host_flag(kw.get("cpu_amx_tile"), "amx_tile")})

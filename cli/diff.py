@@ -8,6 +8,8 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from hybridpd.core.settings import both_sides_params
+
 from ._options import ModelArg, engine_options, isl_list, settings_from, target_from
 from ._output import Report, Table, emit_json, emit_report, output_options, resolve_format
 
@@ -69,10 +71,8 @@ def _label(vary: tuple[tuple[str, str, str], ...], idx: int, text: str) -> str:
     return " ".join(parts)
 
 
-# plan option (click parameter name) -> EngineSettings field, for options that set both sides alike
-_BOTH = ("kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "dtype", "attention_backend",
-         "enable_prefix_caching", "num_speculative_tokens", "max_model_len", "num_blocks", "kv_cache_memory",
-         "gpu_memory", "gpu_memory_utilization", "disable_hybrid_kv_cache_manager", "conv_layout", "cpu_avx512_bf16")
+# plan options (click parameter names) that set both sides alike: from the settings table
+_BOTH = tuple(x for x in both_sides_params() if x != "weights_memory")
 
 
 def apply_options(p: Any, d: Any, over: dict[str, Any]) -> tuple[Any, Any]:

@@ -145,6 +145,10 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
     from hybridpd.launch.entry import platform_for_entry, resolve_entry
 
     p, d = settings_from(kw)
+    if kw["emit"] == "k8s" and kw["image"]:  # an image tag of another release is planned for that release
+        from hybridpd.launch.k8s.base import release_for_image
+
+        kw["vllm_version"] = release_for_image(kw["image"], kw["vllm_version"])
     entry, warning = resolve_entry(kw["vllm_command"], kw["vllm_python"])
     if warning and not (kw["dry_run"] or kw["emit"]):
         hint(f"warning: {warning}")

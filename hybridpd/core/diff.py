@@ -22,6 +22,7 @@ from hybridpd.core.findings import Finding, errors
 from hybridpd.core.layout import SideLayout
 from hybridpd.core.plan import Plan, build_plan, compat_hash_inputs
 from hybridpd.core.profiles import VllmProfile
+from hybridpd.core.settings import flag_of
 from hybridpd.core.transfer import DescriptorLayout, Span
 
 SCHEMA_VERSION = 1
@@ -29,17 +30,6 @@ SECTIONS = ("settings", "layout", "groups", "nixl", "reads", "transfer", "capaci
 ROLES = ("prefill", "decode")
 Value = Any  # JSON-able: int, float, str, bool, None or a list of those
 Key = tuple[str, Any, str]  # (section, scope, field); scope: role, ISL, "D0<-P1" or None
-
-# EngineSettings field -> the `vllm serve` / plan flag a user reads it as.
-_FLAG = {"tp": "TP", "block_size": "--block-size", "kv_cache_dtype": "--kv-cache-dtype",
-         "mamba_cache_dtype": "--mamba-cache-dtype", "mamba_ssm_cache_dtype": "--mamba-ssm-cache-dtype",
-         "dtype": "--dtype", "attention_backend": "--attention-backend",
-         "enable_prefix_caching": "--enable-prefix-caching", "num_speculative_tokens": "--num-speculative-tokens",
-         "max_model_len": "--max-model-len", "num_blocks": "--num-blocks", "kv_cache_memory": "--kv-cache-memory",
-         "gpu_memory": "--gpu-memory", "gpu_memory_utilization": "--gpu-memory-utilization",
-         "weights_memory": "--weights-memory", "disable_hybrid_kv_cache_manager": "--disable-hybrid-kv-cache-manager",
-         "conv_layout": "--conv-layout", "cpu_avx512_bf16": "--cpu-avx512-bf16",
-         "cpu_amx_tile": "--cpu-amx-tile"}
 
 NOT_HASHED = "(not hashed)"
 LLMD_ADVICE = ("llm-d's guidance: the endpoint picker assumes every P/D pair in an InferencePool is compatible, so "
@@ -223,7 +213,7 @@ def _settings_facts(v: Variant) -> list[tuple[Key, Value]]:
     ]
     for side in (p.prefill, p.decode):
         for f in dataclasses.fields(side.settings):
-            out.append((("settings", side.role, _FLAG.get(f.name, f.name)), getattr(side.settings, f.name)))
+            out.append((("settings", side.role, flag_of(f.name)), getattr(side.settings, f.name)))
     return out
 
 

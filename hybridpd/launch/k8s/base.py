@@ -104,6 +104,30 @@ def check_image(image: str, *, field: str) -> None:
                          fix="use a release tag (vX.Y.Z) or a digest")
 
 
+def image_release(image: str | None) -> str | None:
+    """The vLLM release X.Y.Z an image tag names (vllm/vllm-openai:v0.24.0, registry/vllm:v0.32.0-cu13), else None
+    (a digest, or a tag that is no release)."""
+    if not image or "@" in image:
+        return None
+    last = image.rsplit("/", 1)[-1]
+    m = re.fullmatch(r"[^:]+:v?(\d+)\.(\d+)\.(\d+)(?:[-+._].*)?", last)
+    return f"{m.group(1)}.{m.group(2)}.{m.group(3)}" if m else None
+
+
+def release_for_image(image: str | None, vllm_version: str | None) -> str | None:
+    """The release to plan for, given --image and --vllm-version: the image's release when its tag names one
+    (refused when --vllm-version says another), else --vllm-version."""
+    rel = image_release(image)
+    if rel is None:
+        return vllm_version
+    if vllm_version:
+        given = vllm_version.strip().removeprefix("v").split(".")
+        if given != rel.split(".")[:len(given)]:
+            raise UsageError(f"the image {image} is vLLM {rel}, but --vllm-version is {vllm_version}", field="--image",
+                             fix=f"drop --vllm-version (the plan follows the image), or use an image of {vllm_version}")
+    return rel
+
+
 def resolve_release(version: str | None, entry_version: str | None, checked: tuple[int, int, int]) -> tuple[str, str | None]:
     """The exact vLLM release X.Y.Z the image is pinned to, and a note when hybridpd had to choose it.
 
@@ -137,8 +161,9 @@ def compat_factors(lp: LaunchPlan, side: str, *, release: str, model: str) -> di
     """The NIXL compatibility-hash inputs of one side, as its pod will run it.
 
     ``plan.compat_hash_inputs`` (the one place that knows which factors each release hashes) for the
-    pinned release and the model string the pods get; then the flags in the side's argv (extra and
-    per-side arguments included) override what they control, the last one winning as in vLLM's parser.
+    pinned release and the model string the pods get. The plan's settings already hold what the pass-through
+    arguments set (``commands.settings_with_args``); the one launch fact outside them is the connector a
+    pass-through ``--kv-transfer-config`` names (the last one wins, as in vLLM's parser).
     """
     from dataclasses import replace
 
@@ -148,25 +173,28 @@ def compat_factors(lp: LaunchPlan, side: str, *, release: str, model: str) -> di
         raise UsageError("the launch plan has no layout plan", field="--emit")
     lay = lp.plan.prefill if side == "prefill" else lp.plan.decode
     f = compat_hash_inputs(lay, replace(lp.plan.target, version=_vt(release)), model)
-    argv = lp.by_role(side)[0].argv
-    over: dict[str, Any] = {}
-    if (v := _argv_value(argv, "--dtype")) and v != "auto":
-        over["dtype"] = v
-    if v := _argv_value(argv, "--attention-backend"):
-        over["attn_backend_name"] = v.lower()
-    if (v := _argv_value(argv, "--kv-cache-dtype")) and v != "auto":
-        over["cache_dtype"] = v
-    for a in argv:
-        if a in ("--disable-hybrid-kv-cache-manager", "--no-disable-hybrid-kv-cache-manager"):
-            over["is_hma_enabled"] = a.startswith("--no-") and lay.model.is_hybrid
-    if v := _argv_value(argv, "--speculative-config"):
-        over["speculative_config"] = v
-    if kvt := _argv_value(argv, "--kv-transfer-config"):
-        over["transfer_mode"] = "push" if json.loads(kvt).get("kv_connector") == "NixlPushConnector" else "pull"
-    f.update({k: v for k, v in over.items() if k in f})
     if isinstance(f.get("attn_backend_name"), str):
         f["attn_backend_name"] = f["attn_backend_name"].lower()
+    if "transfer_mode" in f and (kvt := _argv_value(lp.by_role(side)[0].argv, "--kv-transfer-config")):
+        f["transfer_mode"] = "push" if json.loads(kvt).get("kv_connector") == "NixlPushConnector" else "pull"
     return f
+
+
+def pairing_factors(lp: LaunchPlan) -> dict[str, Any]:
+    """What P and D of one deployment must agree on beyond NIXL's own hash, per side: TP, attention and
+    kernel block, KV/conv/SSM dtypes, conv layout, prefix-caching mode, speculative tokens. Two plans that
+    differ in any of these (granite-small TP 1/1 vs 2/2) must never share a pool: the EPP would pair old P
+    with new D."""
+    if lp.plan is None:
+        raise UsageError("the launch plan has no layout plan", field="--emit")
+    out: dict[str, Any] = {}
+    for role, lay in (("prefill", lp.plan.prefill), ("decode", lp.plan.decode)):
+        out[role] = {"tp": lay.tp, "block_size": lay.block_size, "kernel_block_size": lay.kernel_block_size,
+                     "kv_dtype": lay.dtypes.kv, "conv_dtype": lay.dtypes.conv, "ssm_dtype": lay.dtypes.ssm,
+                     "conv_layout": lay.conv_layout, "prefix_caching": lay.prefix_caching,
+                     "mamba_cache_mode": lay.mamba_cache_mode,
+                     "num_speculative_tokens": lay.settings.num_speculative_tokens}
+    return out
 
 
 def _argv_value(argv: tuple[str, ...] | list[str], flag: str) -> str | None:
@@ -180,9 +208,10 @@ def _argv_value(argv: tuple[str, ...] | list[str], flag: str) -> str | None:
     return val
 
 
-def compat_key(factors: dict[str, Any]) -> str:
-    """12 hex digits of sha256 over the canonical JSON of the factors."""
-    return hashlib.sha256(json.dumps(factors, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:12]
+def compat_key(factors: dict[str, Any], pairing: dict[str, Any] | None = None) -> str:
+    """12 hex digits of sha256 over the canonical JSON of the NIXL factors (and the pair's pairing factors)."""
+    doc: dict[str, Any] = factors if pairing is None else {"nixl": factors, "pair": pairing}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:12]
 
 
 def compat_finding(p: dict[str, Any], d: dict[str, Any]) -> Finding | None:
@@ -288,6 +317,7 @@ class Ctx:
     model: str
     keys: dict[str, str]  # role -> compatibility key (equal unless --force over a mismatch)
     factors: dict[str, dict[str, Any]]  # role -> compatibility factors
+    pairing: dict[str, Any] = field(default_factory=dict)  # pairing_factors: role -> TP, blocks, dtypes, ...
 
     @property
     def key(self) -> str:
@@ -341,6 +371,7 @@ class Ctx:
 
     def pod_annotations(self, role: str, p: ProcessSpec) -> dict[str, str]:
         return {f"{LABEL_PREFIX}/compat-factors": json.dumps(self.factors[role], sort_keys=True),
+                f"{LABEL_PREFIX}/pairing-factors": json.dumps(self.pairing, sort_keys=True),
                 f"{LABEL_PREFIX}/vllm-profile": self.lp.vllm_profile,
                 f"{LABEL_PREFIX}/tp": str(p.tp)}
 

@@ -39,6 +39,8 @@ from hybridpd.launch.k8s.base import (  # noqa: F401  (re-exported: hybridpd.lau
     compat_finding,
     compat_key,
     deployment,
+    image_release,
+    pairing_factors,
     resolve_release,
     served_model,
     server_container,
@@ -59,6 +61,10 @@ def build_manifests(lp: LaunchPlan, opts: K8sOptions) -> Manifests:
                          fix="pass --image with a vLLM image for that platform")
     prof = lp.plan.profile
     release, note = resolve_release(opts.vllm_version, lp.entry.version, prof.checked)
+    if (img := image_release(opts.image)) is not None and img != release:
+        planned = f"{release} ({lp.plan.profile.name} profile)"
+        raise UsageError(f"the image {opts.image} is vLLM {img}, but the plan is for vLLM {planned}", field="--image",
+                         fix=f"plan for {img} (--vllm-version {img}, or drop it: serve follows --image's tag)")
     if note and opts.image is None:
         notes.append(note)
     image = opts.image or f"{VLLM_IMAGE_REPO}:v{release}"
@@ -72,8 +78,10 @@ def build_manifests(lp: LaunchPlan, opts: K8sOptions) -> Manifests:
         if not opts.allow_errors:
             raise ManifestRefused(f"[{bad.code}] {bad.message}", fix=bad.fix + ", or --force to emit anyway")
         notes.append("emitting despite a compatibility-key mismatch (--force): P and D land in separate pools")
+    pair = pairing_factors(lp)
     ctx = Ctx(lp=lp, opts=opts, image=image, model=model,
-              keys={"prefill": compat_key(fp), "decode": compat_key(fd)}, factors={"prefill": fp, "decode": fd})
+              keys={"prefill": compat_key(fp, pair), "decode": compat_key(fd, pair)},
+              factors={"prefill": fp, "decode": fd}, pairing=pair)
     if opts.target == "plain":
         docs = _plain(ctx)
     else:
