@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from ._options import ModelArg, engine_options, isl_list, settings_from, target_from
+from ._options import MAX_NUM_BLOCKS, BoundedInt, ModelArg, engine_options, isl_list, settings_from, target_from
 from ._output import Report, Table, Verdict, emit_json, emit_report, fmt_bytes, output_options, resolve_format
 from .completions import link_items
 
@@ -26,9 +26,14 @@ from .completions import link_items
 @click.option("--link", default=None, metavar="NAME", shell_complete=link_items,
               help="Calibration entry to estimate with. Default: the first VRAM entry (--platform cuda) or DRAM "
                    "entry (--platform cpu).")
+@click.option("--max-num-seqs", type=BoundedInt(1, MAX_NUM_BLOCKS), default=None,
+              help="vLLM's --max-num-seqs on both sides, for the capacity check (default: vLLM's default).")
+@click.option("--enforce-eager", is_flag=True,
+              help="vLLM runs with --enforce-eager (no CUDA graphs: max_num_seqs may exceed the Mamba blocks).")
 @output_options
 def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict: bool, calibration_path: str | None,
-         link: str | None, as_json: bool, fmt: str | None, **kw: Any) -> None:
+         link: str | None, max_num_seqs: int | None, enforce_eager: bool, as_json: bool, fmt: str | None,
+         **kw: Any) -> None:
     """Predict vLLM's KV-cache layout and P/D transfer for MODEL, to the byte.
 
     MODEL is a bundled id or alias (see `hybridpd models`), a model directory or config.json, or a
@@ -54,6 +59,7 @@ def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict
     result = build_plan(model, prefill=p, decode=d, vllm_version=target, platform=kw["platform"],
                         isls=isls, allow_network=kw["allow_network"])
     data = plan_to_dict(result, estimate_with=entry)
+    add_capacity(data, result, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager)
     if entry is None:
         data["calibration"] = None
     if plot_path:
@@ -72,6 +78,51 @@ def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict
         emit_report(rep, out)
     if not data["ok"] or (strict and data["verdict"]["warnings"]):
         raise SystemExit(1)
+
+
+def add_capacity(data: dict[str, Any], result: Any, *, max_num_seqs: int | None, enforce_eager: bool) -> None:
+    """data["capacity"] per side (hybridpd.core.capacity); its refusals join the findings and the verdict."""
+    from hybridpd.core.capacity import plan_capacity
+
+    cap = plan_capacity(result, max_num_seqs=(max_num_seqs, max_num_seqs), enforce_eager=(enforce_eager, enforce_eager))
+    data["capacity"] = cap.as_dict()
+    found = [f.as_dict() for f in cap.findings]
+    if found:
+        order = {"error": 0, "warning": 1, "info": 2}
+        data["findings"] = sorted(data["findings"] + found, key=lambda f: order[f["severity"]])
+        data["ok"] = data["ok"] and not any(f["severity"] == "error" for f in found)
+
+
+def _capacity_rows(cap: dict[str, Any]) -> list[list[Any]]:
+    p, d = cap["prefill"], cap["decode"]
+
+    def at_max(c: dict[str, Any]) -> str:
+        r = c["blocks_per_request_at_max_model_len"]
+        return f"{r['blocks']:,} ({r['attention_blocks']:,} attention + {r['mamba_blocks']:,} Mamba)" if r else "-"
+
+    def conc(c: dict[str, Any]) -> str:
+        return "-" if c["max_concurrency"] is None else f"{c['max_concurrency']:,.2f}x ({c['kv_cache_tokens']:,} tokens)"
+
+    def seqs(c: dict[str, Any]) -> str:
+        return "-" if c["concurrency"] is None else f"{c['concurrency']:,} (limited by {c['limited_by']})"
+
+    def flipped(c: dict[str, Any]) -> str:
+        f = c["prefix_caching_flipped"]
+        if not f or f["max_concurrency"] is None:
+            return "-"
+        return (f"{'on' if f['prefix_caching'] else 'off'} ({f['mamba_cache_mode']}): block {f['block_size']}, "
+                f"{f['num_blocks']:,} blocks, {f['max_concurrency']:,.2f}x")
+
+    rows: list[list[Any]] = [
+        ["blocks that fit", p["num_blocks"], d["num_blocks"]],
+        [f"blocks per request at {p['max_model_len'] or '-'} tokens", at_max(p), at_max(d)],
+        ["max concurrency (vLLM's log)", conc(p), conc(d)],
+        ["requests at once (max_num_seqs)", seqs(p), seqs(d)],
+        *[[f"blocks per request at ISL {a['isl']:,}", f"{a['blocks']:,}", f"{b['blocks']:,}"]
+          for a, b in zip(p["per_isl"], d["per_isl"], strict=True)],
+        ["prefix caching flipped", flipped(p), flipped(d)],
+    ]
+    return rows
 
 
 def _conv_parts(p: dict[str, Any], d: dict[str, Any]) -> list[str]:
@@ -302,6 +353,10 @@ def render(data: dict[str, Any]) -> Report:
                 rows.append([r["rank"], s["p_rank"], sp(s["fa"]), *(sp(conv.get(k)) for k in parts), sp(s["ssm"])])
         rep.tables.append(Table(title="Per D rank reads (offset+length in P's page)",
                                 headers=["D rank", "P rank", "FA", *parts, "SSM"], rows=rows))
+    cap = data.get("capacity")
+    if cap and (cap["prefill"]["num_blocks"] is not None or cap["decode"]["num_blocks"] is not None):
+        rep.tables.append(Table(title="Capacity (per rank)", headers=["", "prefill", "decode"],
+                                rows=_capacity_rows(cap), caption=cap["note"]))
     if data["transfer"]:
         est = data.get("calibration") is not None
         rows = []
