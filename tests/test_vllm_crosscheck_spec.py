@@ -145,7 +145,7 @@ def test_hma_groups_with_the_mtp_drafter_match_the_release(tp: int) -> None:
     base = families.model_spec(models.resolve("super"))
     mspec, aspec = _mamba_spec(s, padded=True), _attn_spec(s)
     specs = {c.name: (mspec if c.kind == "mamba" else aspec) for c in base.cache_layers}
-    specs[f"mtp.layers.0.mixer.attn"] = aspec  # the drafter registers after the target (its layers dict order)
+    specs["mtp.layers.0.mixer.attn"] = aspec  # the drafter registers after the target (its layers dict order)
     groups = _group_fn()(specs)
     index = {c.name: c.index for c in base.cache_layers} | {"mtp.layers.0.mixer.attn": base.num_hidden_layers}
     theirs = [("mamba" if isinstance(g.kv_cache_spec, MambaSpec) else "attention",
