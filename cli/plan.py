@@ -19,6 +19,9 @@ from .completions import link_items
                    "max-model-len.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write bytes per request vs input length (actual vs naive) to a PNG (needs matplotlib).")
+@click.option("--speculative-config", "speculative_config", default=None, metavar="JSON",
+              help='vLLM\'s --speculative-config for P and D, e.g. \'{"method":"mtp","num_speculative_tokens":3}\' '
+                   "(sets --num-speculative-tokens; MTP drafter layers join the KV cache).")
 @click.option("--strict", is_flag=True, help="Exit 1 on warnings too (a refused combination always exits 1).")
 @click.option("--calibration", "calibration_path", type=click.Path(dir_okay=False), default=None,
               help="Transfer-time calibration JSON (schema hybridpd-calibration/1) for the per-request time "
@@ -33,7 +36,7 @@ from .completions import link_items
 @output_options
 def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict: bool, calibration_path: str | None,
          link: str | None, max_num_seqs: int | None, enforce_eager: bool, as_json: bool, fmt: str | None,
-         **kw: Any) -> None:
+         speculative_config: str | None, **kw: Any) -> None:
     """Predict vLLM's KV-cache layout and P/D transfer for MODEL, to the byte.
 
     MODEL is a bundled id or alias (see `hybridpd models`), a model directory or config.json, or a
@@ -55,6 +58,8 @@ def plan(model: str, isls: tuple[int, ...] | None, plot_path: str | None, strict
     entries = load_calibration(calibration_path)
     entry = select(entries, link, platform=kw["platform"])
     p, d = settings_from(kw)
+    if speculative_config is not None:
+        p, d = with_speculative(p, d, speculative_config, kw["num_speculative_tokens"])
     target = target_from(kw)
     result = build_plan(model, prefill=p, decode=d, vllm_version=target, platform=kw["platform"],
                         isls=isls, allow_network=kw["allow_network"])
@@ -123,6 +128,24 @@ def _capacity_rows(cap: dict[str, Any]) -> list[list[Any]]:
         ["prefix caching flipped", flipped(p), flipped(d)],
     ]
     return rows
+
+
+def with_speculative(p: Any, d: Any, text: str, num_tokens_flag: int) -> tuple[Any, Any]:
+    """Both sides with --speculative-config applied (its num_speculative_tokens wins; a different
+    --num-speculative-tokens beside it is a usage error)."""
+    from dataclasses import replace
+
+    from hybridpd.core.speculative import parse_speculative_config
+    from hybridpd.errors import UsageError
+
+    sc = parse_speculative_config(text)
+    if num_tokens_flag and num_tokens_flag != sc.num_speculative_tokens:
+        raise UsageError(f"--num-speculative-tokens {num_tokens_flag} contradicts --speculative-config's "
+                         f"num_speculative_tokens {sc.num_speculative_tokens}", field="--num-speculative-tokens",
+                         fix="drop --num-speculative-tokens; --speculative-config carries it")
+    kw = dict(num_speculative_tokens=sc.num_speculative_tokens, speculative_method=sc.method,
+              speculative_model=sc.model)
+    return replace(p, **kw), replace(d, **kw)
 
 
 def _conv_parts(p: dict[str, Any], d: dict[str, Any]) -> list[str]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from hybridpd.core.layout import SideLayout
 from hybridpd.core.profiles import PROFILES, Target, format_version
 from hybridpd.core.semantics import OUTSIDE_CONV, check_conv
+from hybridpd.core.speculative import spec_checks
 from hybridpd.core.transfer import RankRoute, prefill_backoff
 
 ERROR, WARNING, INFO = "error", "warning", "info"
@@ -334,17 +335,22 @@ def prefix_caching(ctx: Context) -> Iterator[Finding]:
 
 @rule
 def spec_decode(ctx: Context) -> Iterator[Finding]:
-    if ctx.p.settings.num_speculative_tokens and ctx.p.model.has_mamba:
-        prof = ctx.p.profile
+    """--speculative-config / --num-speculative-tokens: refusals, P/D agreement, drafter layers (core/speculative.py)."""
+    p, d = ctx.p, ctx.d
+    for severity, code, message, fix in spec_checks(p, d):
+        yield Finding(severity=severity, code=code, message=message, fix=fix)
+    if p.settings.num_speculative_tokens and p.model.has_mamba and not p.settings.speculative_method:
+        prof = p.profile
         hashed = ("it is part of the NIXL compatibility hash, so a mismatch fails the handshake"
                   if "speculative_config" in prof.compat_hash_fields
                   else "the compatibility hash ignores it, so a mismatch pairs silently")
-        back = (f"; P leaves {prefill_backoff(ctx.p)} prompt tokens to D (max(1, lookahead - 1), taking "
+        back = (f"; P leaves {prefill_backoff(p)} prompt tokens to D (max(1, lookahead - 1), taking "
                 "--num-speculative-tokens as a multi-module MTP lookahead)" if prof.backoff_uses_lookahead else "")
         yield Finding(severity=WARNING, code="spec-decode",
-                      message=f"{ctx.p.settings.num_speculative_tokens} speculative tokens add rows to every conv state; "
+                      message=f"{p.settings.num_speculative_tokens} speculative tokens add rows to every conv state; "
                               f"vLLM {prof.name} does not validate spec decode across P/D and {hashed}{back}",
-                      fix="run P and D with the same --num-speculative-tokens, and verify")
+                      fix="give the method with --speculative-config (e.g. '{\"method\":\"mtp\","
+                          "\"num_speculative_tokens\":3}'), run P and D with the same one, and verify")
 
 
 @rule

@@ -17,6 +17,7 @@ from hybridpd.core.families import ATTENTION, MAMBA, ModelSpec
 from hybridpd.core.mamba import RankState, rank_state
 from hybridpd.core.profiles import KernelSizes, PlatformProfile, VllmProfile
 from hybridpd.core.settings import EngineSettings
+from hybridpd.core.speculative import with_drafter
 from hybridpd.errors import UsageError
 
 
@@ -188,6 +189,7 @@ def _select_kernel_block(block: int, ks: KernelSizes) -> int | None:
 def side_layout(model: ModelSpec, s: EngineSettings, profile: VllmProfile, platform: PlatformProfile,
                 *, role: str) -> SideLayout:
     errors: list[str] = []
+    model = with_drafter(model, s.speculative_method)  # MTP: the drafter's attention layers join the KV cache
     dt = resolve_dtypes(model, s, profile, platform)
     kv_elem = dtypes.size_of(dt.kv)
     mamba = rank_state(model, tp=s.tp, num_spec=s.num_speculative_tokens, conv_dtype=dt.conv,

@@ -12,6 +12,7 @@ from hybridpd.core.layout import SideLayout, cdiv, side_layout
 from hybridpd.core.models import resolve
 from hybridpd.core.profiles import PlatformProfile, Target, VllmProfile, platform_for, resolve_target
 from hybridpd.core.settings import EngineSettings
+from hybridpd.core.speculative import hash_factor
 from hybridpd.core.transfer import DescriptorLayout, RankRoute, RequestTransfer, request_transfer, routes, tp_ratio
 from hybridpd.errors import UsageError
 
@@ -159,7 +160,8 @@ def compat_hash_inputs(side: SideLayout, target: Target, model: str) -> dict[str
         "head_size": attn.head_size if attn else 0, "num_hidden_layers": side.model.num_hidden_layers,
         "attn_backend_name": side.backend, "cache_dtype": side.dtypes.kv, "cross_layers_blocks": False,
         "is_hma_enabled": not side.settings.disable_hybrid_kv_cache_manager and side.model.is_hybrid,
-        "speculative_config": side.settings.num_speculative_tokens or None, "transfer_mode": "pull"}
+        "speculative_config": hash_factor(side.settings.speculative_method, side.settings.speculative_model, model,
+                                          side.dtypes.kv), "transfer_mode": "pull"}
     return {k: values[k] for k in side.profile.compat_hash_fields}
 
 

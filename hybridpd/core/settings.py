@@ -23,6 +23,8 @@ class EngineSettings:
     attention_backend: str | None = None  # None = platform default
     enable_prefix_caching: bool | None = None  # None = vLLM's default for this version
     num_speculative_tokens: int = 0
+    speculative_method: str | None = None  # --speculative-config method (core/speculative.py); None: not given
+    speculative_model: str | None = None  # --speculative-config model (a separate draft model)
     max_model_len: int | None = None
     num_blocks: int | None = None  # --num-gpu-blocks-override
     kv_cache_memory: int | None = None  # bytes available to the KV cache (--kv-cache-memory-bytes)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from hybridpd.core.layout import SideLayout, cdiv
 from hybridpd.core.mamba import MAMBA2_PARTS
+from hybridpd.core.speculative import mamba_blocks_moved, prefill_lookahead
 
 Span = tuple[int, int]  # (offset, length) in bytes
 
@@ -123,10 +124,10 @@ def fa_kernel_blocks(p: SideLayout, d: SideLayout, n: int) -> int:
 def source_request_bytes(p: SideLayout, src: SourceRead, blocks: int,
                          kernel_blocks: int | None = None) -> tuple[int, tuple[int, ...]]:
     """What one request moves from one source P rank: (FA bytes, bytes of each Mamba span in ``mamba_spans``
-    order). Every Mamba span moves once per (slot holding SSM state, Mamba group)."""
+    order). Every Mamba span moves once per (slot holding SSM state, Mamba group, Mamba block moved)."""
     fa = fa_descs_per_source(p, blocks, kernel_blocks) * src.fa[1] if src.fa is not None and p.attention_groups \
         else 0
-    rows = p.num_ssm_slots * len(p.mamba_groups)
+    rows = p.num_ssm_slots * len(p.mamba_groups) * mamba_blocks_per_group(p)
     return fa, tuple(rows * ln for _, ln in src.mamba_spans)
 
 
@@ -236,12 +237,22 @@ def prefill_backoff(p: SideLayout) -> int:
     """Prompt tokens P leaves for D to compute (nixl scheduler ``_prefill_backoff``).
 
     vLLM's N-1 rule (#37310): with Mamba layers P prefills N-1 tokens and D computes the last one.  From 0.31
-    it is max(1, lookahead - 1), where the lookahead is the multi-module MTP draft length (hybridpd takes
-    ``num_speculative_tokens`` as that length)."""
+    it is max(1, lookahead - 1), the lookahead being ``num_prefill_lookahead_tokens`` of the speculative method
+    (core/speculative.py; NemotronH MTP: 1).  Without --speculative-config, hybridpd takes
+    ``num_speculative_tokens`` as a multi-module MTP draft length."""
     base = 1 if p.model.has_mamba else 0
     if p.profile.backoff_uses_lookahead:
-        return max(base, p.settings.num_speculative_tokens - 1)
+        s = p.settings
+        look = (prefill_lookahead(p.model, s.speculative_method, s.num_speculative_tokens)
+                if s.speculative_method else s.num_speculative_tokens)
+        return max(base, look - 1)
     return base
+
+
+def mamba_blocks_per_group(p: SideLayout) -> int:
+    """Mamba states one request moves per Mamba group: 1, plus the speculative scratch slots where the release
+    exchanges them (0.20 … 0.26; from 0.27 the NIXL scheduler strips them)."""
+    return mamba_blocks_moved(p.settings.num_speculative_tokens, p.profile.first)
 
 
 def tokens_transferred(p: SideLayout, isl: int) -> int:
@@ -254,7 +265,7 @@ def request_transfer(p: SideLayout, d: SideLayout, rts: tuple[RankRoute, ...], i
     kblocks = fa_kernel_blocks(p, d, n)
     T = p.num_shared_tensors
     Ts = p.num_ssm_slots
-    G = len(p.mamba_groups)
+    G = len(p.mamba_groups) * mamba_blocks_per_group(p)  # Mamba (group, block) pairs that move
     kvd = p.profile.kv_descs_per_block
     # NIXL merges consecutive FA rows only when whole P kernel pages land in whole local pages ("dense"):
     # equal heads per rank on both sides (or <= 1 on both), and no P TP > D TP split over several FA sources

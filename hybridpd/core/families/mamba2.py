@@ -67,8 +67,12 @@ def nemotron_h(raw: RawModel, cfg: Cfg) -> ModelSpec:
     mamba = mamba2_dims(cfg, _NEMOTRON_KEYS, lambda heads, head_dim: heads * head_dim, groups_default=None)
     layers, pat = cache_layers(list(pattern))
     attn = attention_dims(cfg) if "*" in pattern else None
-    return build_spec(raw, cfg, "nemotron_h", layers, pat, mamba, attn, "mamba2",
+    spec = build_spec(raw, cfg, "nemotron_h", layers, pat, mamba, attn, "mamba2",
                       hf_ssm=cfg.str("mamba_ssm_cache_dtype"))
+    mtp = cfg.int("num_nextn_predict_layers", bounds=(0, 64)) if cfg.raw.get("num_nextn_predict_layers") else 0
+    if not mtp:
+        return spec
+    return replace(spec, mtp_layers=mtp, mtp_pattern=cfg.str("mtp_hybrid_override_pattern") or "")
 
 
 def granite(raw: RawModel, cfg: Cfg) -> ModelSpec:

@@ -82,6 +82,10 @@ class ModelSpec:
     recurrent: Mamba1Dims | GdnDims | None = None
     # the model class implements SupportsMambaPrefixCaching (mamba_cache_mode "all" allowed, else "align")
     mamba_prefix_caching: bool = True
+    # the checkpoint's MTP drafter (NemotronH num_nextn_predict_layers / mtp_hybrid_override_pattern), read by
+    # core/speculative.py; 0 / "" when the config has none
+    mtp_layers: int = 0
+    mtp_pattern: str = ""
     notes: tuple[str, ...] = field(default=())
 
     @property
