@@ -66,6 +66,8 @@ _OPTIONS: tuple[Callable[[Any], Any], ...] = (
            "auto: uvloop if installed (faster), else asyncio."),
     click.option("--access-log", "access_log", is_flag=True,
                  help="Log every request (logger hybridpd.launch.proxy.access)."),
+    click.option("--no-auth", "no_auth", is_flag=True,
+                 help="Run without client authentication (no HYBRIDPD_PROXY_API_KEY); logged at start."),
     click.option("--log-level", type=click.Choice(_LOG_LEVELS, case_sensitive=False), default="info",
                  show_default=True),
 )
@@ -77,9 +79,25 @@ def _options(f: Any) -> Any:
     return f
 
 
+def _keys(no_auth: bool) -> dict[str, str | None]:
+    """The keys from the environment; one set but empty or blank is a usage error (never auth silently off)."""
+    out: dict[str, str | None] = {}
+    for name, env in KEY_ENV.items():
+        value = os.environ.get(env)
+        if value is not None and not value.strip() and not (no_auth and name == "api_key"):
+            raise UsageError("is set but empty", field=env,
+                             fix=f"set a key, or unset {env}" + (" and pass --no-auth" if name == "api_key" else ""))
+        out[name] = value or None
+    if no_auth:
+        if out["api_key"] is not None:
+            raise UsageError("--no-auth conflicts with a client key", field=KEY_ENV["api_key"],
+                             fix=f"unset {KEY_ENV['api_key']} or drop --no-auth")
+    return out
+
+
 @click.command()
 @_options
-def proxy(log_level: str, **config: Any) -> None:
+def proxy(log_level: str, no_auth: bool, **config: Any) -> None:
     """Run the P/D routing proxy in the foreground (what `serve` launches).
 
     Clients talk OpenAI (/v1/completions, /v1/chat/completions) to it; it runs the prefill on a P server and
@@ -96,12 +114,17 @@ def proxy(log_level: str, **config: Any) -> None:
     from hybridpd.launch.proxy.server import run_proxy
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keys = _keys(no_auth)
     try:
-        cfg = ProxyConfig(**config, **{name: os.environ.get(env) or None for name, env in KEY_ENV.items()})
+        cfg = ProxyConfig(**config, **keys)
     except ProxyConfigError as e:  # name the flag (or variable) the user set, not the config field
         flags = {p.name: p.opts[0] for p in proxy.params}
         where = flags.get(e.field or "") or KEY_ENV.get(e.field or "") or e.field
         raise UsageError(e.message, field=where, fix=e.fix) from None
+    if cfg.api_key is None:
+        logging.getLogger("hybridpd.launch.proxy").warning(
+            "authentication is off: clients need no key (%s)",
+            "--no-auth" if no_auth else f"{KEY_ENV['api_key']} is not set")
     try:
         run_proxy(cfg)
     except OSError as exc:  # typically: address already in use
