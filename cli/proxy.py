@@ -13,6 +13,8 @@ import click
 from hybridpd.errors import HybridPDError, UsageError
 from hybridpd.launch.proxy.config import EVENT_LOOPS, POLICIES, ProxyConfig, ProxyConfigError
 
+from ._options import FiniteFloatRange
+
 #: The environment variables the API keys come from (not argv, which other users of the host can read).
 KEY_ENV = {
     "api_key": "HYBRIDPD_PROXY_API_KEY",
@@ -21,7 +23,7 @@ KEY_ENV = {
 }
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _DEFAULTS = {f.name: f.default for f in fields(ProxyConfig) if f.default is not MISSING}
-_SECONDS = click.FloatRange(min=0, min_open=True)
+_SECONDS = FiniteFloatRange(min=0, min_open=True)
 
 # (option, ProxyConfig field, help) of the options in seconds; each default is the field's
 _TIMES = (

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ._options import BoundedInt, ModelArg, engine_options, settings_from
+from ._options import BoundedInt, FiniteFloatRange, ModelArg, engine_options, settings_from
 from ._output import Report, Table, Verdict, emit_json, emit_report, hint, output_options, resolve_format
 
 if TYPE_CHECKING:
@@ -88,39 +88,39 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
 @click.option("--epp-image", default=None, help="llm-d endpoint picker image (default: pinned release).")
 @click.option("--gateway", default="inference-gateway", show_default=True,
               help="Gateway the llm-d/lws HTTPRoute attaches to (--emit k8s).")
-@click.option("--grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
+@click.option("--grace", type=FiniteFloatRange(min=0), default=30.0, show_default=True,
               help="Stop budget: the proxy drains in-flight requests for GRACE-10 s (then ends them with an "
                    "error event), then D, then P stop; a stage still running after GRACE s is SIGKILLed.")
-@click.option("--health-timeout", type=click.FloatRange(min=1), default=900.0, show_default=True,
+@click.option("--health-timeout", type=FiniteFloatRange(min=1), default=900.0, show_default=True,
               help="Seconds to wait for /health.")
 @click.option("--restart", "restart", type=click.Choice(["no", "on-failure"]), default="no", show_default=True,
               help="on-failure: restart a process that exits or stops answering /health (backoff, limit); "
                    "no: stop everything (fail fast).")
 @click.option("--restart-limit", type=click.IntRange(0, 1000), default=5, show_default=True,
               help="Restarts per process; the count resets after 10 min of health.")
-@click.option("--restart-backoff", type=click.FloatRange(0, 3600), default=2.0, show_default=True,
+@click.option("--restart-backoff", type=FiniteFloatRange(0, 3600), default=2.0, show_default=True,
               help="Seconds before the first restart; doubled each time, at most 60 s.")
-@click.option("--liveness-timeout", type=click.FloatRange(1, 86400), default=30.0, show_default=True,
+@click.option("--liveness-timeout", type=FiniteFloatRange(1, 86400), default=30.0, show_default=True,
               help="A healthy process that does not answer /health for this long is treated as dead (hung).")
-@click.option("--health-interval", type=click.FloatRange(0.1, 3600), default=5.0, show_default=True,
+@click.option("--health-interval", type=FiniteFloatRange(0.1, 3600), default=5.0, show_default=True,
               help="Seconds between /health probes once healthy.")
 @click.option("--deployment-file", default=None,
               help="Where to record what was launched (JSON, for verify/doctor --deployment). "
                    "Default: $XDG_STATE_HOME/hybridpd/deployment-ROLE-PROXYPORT.json.")
-@click.option("--prefill-timeout", type=click.FloatRange(0.1, 86400), default=None,
+@click.option("--prefill-timeout", type=FiniteFloatRange(0.1, 86400), default=None,
               help="Proxy: whole prefill leg, then 504 (proxy default 180 s).")
-@click.option("--decode-first-byte-timeout", type=click.FloatRange(0.1, 86400), default=None,
+@click.option("--decode-first-byte-timeout", type=FiniteFloatRange(0.1, 86400), default=None,
               help="Proxy: streams, until D's first byte (proxy default 180 s).")
-@click.option("--decode-idle-timeout", type=click.FloatRange(0.1, 86400), default=None,
+@click.option("--decode-idle-timeout", type=FiniteFloatRange(0.1, 86400), default=None,
               help="Proxy: streams, longest gap between chunks (proxy default 120 s).")
-@click.option("--decode-timeout", type=click.FloatRange(0.1, 86400), default=None,
+@click.option("--decode-timeout", type=FiniteFloatRange(0.1, 86400), default=None,
               help="Proxy: whole decode leg (proxy default 1800 s).")
 @click.option("--proxy-arg", "proxy_args", multiple=True,
               help="Extra argument for the hybridpd proxy (hybridpd proxy --help), repeatable.")
 @click.option("--nixl-progress-delay-us", type=click.IntRange(0, 1_000_000), default=None,
               help="Poll timeout of NIXL's progress thread in P and D (NIXL's Python wrapper sets 0: one idle core "
                    "spins per agent). Default: 1000 on cpu, 0 on cuda; 0 = leave NIXL alone.")
-@click.option("--kv-lease", type=click.FloatRange(1, 86400), default=None,
+@click.option("--kv-lease", type=FiniteFloatRange(1, 86400), default=None,
               help="kv_lease_duration (s) in kv_connector_extra_config: how long P keeps KV blocks for D "
                    "(vLLM default 30 s).")
 @engine_options

@@ -27,10 +27,11 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
 def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str], *words: str) -> str:
     code, out, err = _run(argv, capsys)
     assert code == 2, (code, out, err)
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    errors = [ln for ln in err.splitlines() if ln.startswith("Error:")]
+    assert "Traceback" not in err and len(errors) == 1, err  # click may add its Usage: lines above
     for w in words:
-        assert w in err, (w, err)
-    return err
+        assert w in errors[0], (w, err)
+    return errors[0]
 
 
 @pytest.fixture
@@ -68,4 +69,22 @@ def test_proxy_no_auth_with_a_key_is_a_usage_error(no_serve: list[Any], monkeypa
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("HYBRIDPD_PROXY_API_KEY", "secret")
     _usage_error([*_PROXY, "--no-auth"], capsys, "--no-auth")
+    assert no_serve == []
+
+
+_SERVE = ["serve", "nano-fp8", "--dry-run"]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-nan"])
+@pytest.mark.parametrize("argv, flag", [
+    (_SERVE, "--liveness-timeout"), (_SERVE, "--health-interval"), (_SERVE, "--grace"),
+    (_SERVE, "--health-timeout"), (_SERVE, "--restart-backoff"), (_SERVE, "--decode-timeout"),
+    (_SERVE, "--kv-lease"), (_PROXY, "--health-interval"), (_PROXY, "--prefill-timeout"),
+    (["verify", "nano-fp8", "--decode", "http://127.0.0.1:1", "--passive"], "--window"),
+])
+def test_nan_and_inf_float_flags_are_usage_errors(argv: list[str], flag: str, value: str, no_serve: list[Any],
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # before: nan passed every click.FloatRange check (nan < 1 is False) and switched hang detection off;
+    # inf passed the ranges with no upper bound
+    _usage_error([*argv, flag, value], capsys, flag)
     assert no_serve == []
