@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from typing import TYPE_CHECKING, Any
@@ -15,12 +16,18 @@ if TYPE_CHECKING:
     from hybridpd.launch.commands import LaunchOptions, LaunchPlan
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     out = []
     for v in value:
         if "=" not in v:
             raise click.BadParameter(f"{v!r}: use KEY=VALUE")
         k, _, val = v.partition("=")
+        if not _ENV_NAME.fullmatch(k):
+            raise click.BadParameter(f"{k[:40]!r} is not an environment variable name: use letters, digits and _, "
+                                     "not starting with a digit (e.g. VLLM_LOGGING_LEVEL=DEBUG)")
         out.append((k, val))
     return tuple(out)
 

@@ -88,3 +88,32 @@ def test_nan_and_inf_float_flags_are_usage_errors(argv: list[str], flag: str, va
     # inf passed the ranges with no upper bound
     _usage_error([*argv, flag, value], capsys, flag)
     assert no_serve == []
+
+
+@pytest.mark.parametrize("pair", ["$(touch pwned)=1", "1ABC=x", "A-B=1", "A B=1", "=1", "`id`=1", "A\nB=1"])
+def test_serve_env_names_must_be_shell_names(pair: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # before: the key went unquoted into the --dry-run script: `$(touch pwned)=1 setsid vllm ...` runs touch
+    _usage_error([*_SERVE, "--env", pair], capsys, "--env")
+
+
+def test_dry_run_script_quotes_every_env_token() -> None:
+    import shlex
+
+    from hybridpd.launch.commands import ProcessSpec
+
+    key, value = "$(touch pwned)", "a b; `id` $(x) 'q'"
+    p = ProcessSpec(name="prefill-0", role="prefill", argv=("vllm", "serve", "m;rm"), env=((key, value),),
+                    host="127.0.0.1", port=8100, health_url="http://127.0.0.1:8100/health")
+    line = p.shell()
+    assert "$(touch pwned)=" not in line  # the key is quoted, so the shell cannot expand it
+    # the shell sees exactly the tokens given, nothing expanded or split (independent parser: shlex.split)
+    assert shlex.split(line) == [f"{key}={value}", "vllm", "serve", "m;rm"]
+
+
+def test_dry_run_serve_script_quotes_a_valid_env(capsys: pytest.CaptureFixture[str]) -> None:
+    import shlex
+
+    code, out, err = _run([*_SERVE, "--env", "MY_VAR=$(touch pwned) `id`"], capsys)
+    assert code == 0, err
+    lines = [ln for ln in out.splitlines() if "MY_VAR=" in ln]
+    assert lines and all("MY_VAR=$(touch pwned) `id`" in shlex.split(ln) for ln in lines), out

@@ -132,7 +132,7 @@ class ProcessSpec:
         return dict(self.env)
 
     def shell(self) -> str:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env)
+        env = " ".join(f"{shlex.quote(k)}={shlex.quote(v)}" for k, v in self.env)
         cmd = " ".join(shlex.quote(a) for a in self.argv)
         return f"{env} {cmd}".strip()
 
@@ -177,13 +177,14 @@ class LaunchPlan:
         return out
 
     def shell_lines(self) -> list[str]:
-        lines = ["#!/bin/sh", f"# hybridpd serve {self.model} --role {self.role}: {len(self.processes)} process(es);"
+        model = " ".join(str(self.model).splitlines())  # a newline would end the comment: the rest would run
+        lines = ["#!/bin/sh", f"# hybridpd serve {model} --role {self.role}: {len(self.processes)} process(es);"
                  f" vLLM profile {self.vllm_profile}, platform {self.platform}"]
-        lines += [f"# note: {n}" for n in self.notes]
+        lines += [f"# note: {' '.join(str(n).splitlines())}" for n in self.notes]
         for p in self.processes:
             lines.append(f"# {p.name}: {p.url}  health {p.health_url}"
                          + (f"  side channel {p.side_channel_port}" if p.side_channel_port else ""))
-            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in p.env)
+            env = " ".join(f"{shlex.quote(k)}={shlex.quote(v)}" for k, v in p.env)
             cmd = " ".join(shlex.quote(a) for a in p.argv)
             lines.append(f"{env} setsid {cmd} &".lstrip())
         return lines
