@@ -117,3 +117,18 @@ def test_dry_run_serve_script_quotes_a_valid_env(capsys: pytest.CaptureFixture[s
     assert code == 0, err
     lines = [ln for ln in out.splitlines() if "MY_VAR=" in ln]
     assert lines and all("MY_VAR=$(touch pwned) `id`" in shlex.split(ln) for ln in lines), out
+
+
+@pytest.mark.parametrize("flag", ["--gpus", "--cpus"])
+@pytest.mark.parametrize("devices", ["0-99999999", "99999999", "0-4096", "0-4095,4095", "0-" + "9" * 40])
+def test_serve_device_lists_are_bounded(flag: str, devices: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # before: 0-99999999 built a list of 10^8 ints (MemoryError on small hosts, a traceback), "9"*40 ran on
+    _usage_error([*_SERVE, flag, devices], capsys, "--gpus/--cpus")
+
+
+def test_parse_devices_keeps_real_lists() -> None:
+    from hybridpd.launch.commands import parse_devices
+
+    assert parse_devices("0-3") == (0, 1, 2, 3)
+    assert parse_devices("0,1,4-5") == (0, 1, 4, 5)
+    assert parse_devices("4095") == (4095,)
