@@ -32,6 +32,19 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
     return tuple(out)
 
 
+def _command(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A command line given as one string (split like the shell would): it must split, into something."""
+    if value is None:
+        return None
+    try:
+        parts = shlex.split(value)
+    except ValueError as e:  # "No closing quotation", "No escaped character"
+        raise click.BadParameter(f"cannot split {value[:60]!r}: {e} (quote it as in sh, e.g. 'python vllm_cli.py')") from None
+    if not parts:
+        raise click.BadParameter("is empty: give a command, e.g. 'python vllm_cli.py', or leave the option out")
+    return value
+
+
 @click.command(context_settings={"ignore_unknown_options": False})
 @click.argument("model", type=ModelArg())
 @click.option("--role", type=click.Choice(["prefill", "decode", "proxy", "all"]), default="all", show_default=True,
@@ -61,9 +74,9 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
 @click.option("--decode-arg", "decode_args", multiple=True, help="Extra vllm serve argument for D only.")
 @click.option("--vllm-python", type=click.Path(dir_okay=False), default=None,
               help="Python of the venv with vLLM (default: this one). Its distribution picks the entry point.")
-@click.option("--vllm-command", default=None,
+@click.option("--vllm-command", default=None, callback=_command,
               help="Command used like `vllm` (CMD serve MODEL ...), e.g. 'python vllm_cli.py'.")
-@click.option("--proxy-command", default=None, help="Proxy command (default: python -m hybridpd_cli proxy).")
+@click.option("--proxy-command", default=None, callback=_command, help="Proxy command (default: python -m hybridpd_cli proxy).")
 @click.option("--router", type=click.Choice(["hybridpd", "vllm-router"]), default="hybridpd", show_default=True,
               help="What routes between P and D: hybridpd's proxy, or vllm-router (pip install vllm-router) with "
                    "the same P and D URLs.")

@@ -132,3 +132,11 @@ def test_parse_devices_keeps_real_lists() -> None:
     assert parse_devices("0-3") == (0, 1, 2, 3)
     assert parse_devices("0,1,4-5") == (0, 1, 4, 5)
     assert parse_devices("4095") == (4095,)
+
+
+@pytest.mark.parametrize("flag", ["--vllm-command", "--proxy-command"])
+@pytest.mark.parametrize("command", ["python 'vllm_cli.py", 'python "x', "python x\\", "   "])
+def test_serve_command_strings_that_do_not_split_are_usage_errors(flag: str, command: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # before: shlex.split's ValueError ("No closing quotation") escaped as a traceback
+    _usage_error([*_SERVE, flag, command], capsys, flag)
