@@ -140,3 +140,14 @@ def test_serve_command_strings_that_do_not_split_are_usage_errors(flag: str, com
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     # before: shlex.split's ValueError ("No closing quotation") escaped as a traceback
     _usage_error([*_SERVE, flag, command], capsys, flag)
+
+
+@pytest.mark.parametrize("model", ["org/ünïcode-💥", "org/na me", "org/-x", "org/" + "x" * 97, "org/a..b"])
+@pytest.mark.parametrize("network", [[], ["--allow-network"]])
+def test_a_model_that_is_no_path_and_no_hub_id_is_one_line(model: str, network: list[str],
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # before: huggingface_hub's HFValidationError escaped as a traceback (exit 1)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing leaves the machine even if the check were skipped
+    err = _usage_error(["plan", model, *network], capsys, "MODEL", "Hugging Face id")
+    assert len(err) < 400
