@@ -118,7 +118,8 @@ def proxy(log_level: str, no_auth: bool, **config: Any) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keys = _keys(no_auth)
     try:
-        cfg = ProxyConfig(**config, **keys)
+        cfg = ProxyConfig(**config, api_key=keys["api_key"], backend_api_key=keys["backend_api_key"],
+                          metrics_api_key=keys["metrics_api_key"])
     except ProxyConfigError as e:  # name the flag (or variable) the user set, not the config field
         flags = {p.name: p.opts[0] for p in proxy.params}
         where = flags.get(e.field or "") or KEY_ENV.get(e.field or "") or e.field
