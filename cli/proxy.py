@@ -88,8 +88,9 @@ def _keys(no_auth: bool) -> dict[str, str | None]:
         value = os.environ.get(env)
         if value is not None and not value.strip() and not (no_auth and name == "api_key"):
             raise UsageError("is set but empty", field=env,
-                             fix=f"set a key, or unset {env}" + (" and pass --no-auth" if name == "api_key" else ""))
-        out[name] = value or None
+                             fix=f"set a key, or unset {env}" + (" and pass --no-auth (serve: --proxy-arg=--no-auth)"
+                                                                 if name == "api_key" else ""))
+        out[name] = value if value and value.strip() else None
     if no_auth:
         if out["api_key"] is not None:
             raise UsageError("--no-auth conflicts with a client key", field=KEY_ENV["api_key"],

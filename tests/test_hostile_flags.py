@@ -151,3 +151,19 @@ def test_a_model_that_is_no_path_and_no_hub_id_is_one_line(model: str, network: 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing leaves the machine even if the check were skipped
     err = _usage_error(["plan", model, *network], capsys, "MODEL", "Hugging Face id")
     assert len(err) < 400
+
+
+@pytest.mark.parametrize("role", ["all", "proxy"])
+def test_serve_refuses_a_blank_proxy_key_before_starting_anything(role: str, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # before: serve started P, D and a proxy that inherited the empty key, so clients needed no key
+    import hybridpd.launch.serve as modes
+
+    launched: list[Any] = []
+    monkeypatch.setattr(modes, "launch", lambda *a, **k: launched.append(a) or 0)
+    monkeypatch.setenv("HYBRIDPD_PROXY_API_KEY", "")
+    _usage_error(["serve", "nano-fp8", "--role", role], capsys, "HYBRIDPD_PROXY_API_KEY", "--no-auth")
+    assert launched == []
+    # explicit: the proxy gets --no-auth and logs it
+    code, _, err = _run(["serve", "nano-fp8", "--role", role, "--proxy-arg=--no-auth"], capsys)
+    assert code == 0 and len(launched) == 1, err
