@@ -108,7 +108,7 @@ def proxy(log_level: str, no_auth: bool, **config: Any) -> None:
 
     API keys come from the environment, not argv: HYBRIDPD_PROXY_API_KEY (required from clients),
     HYBRIDPD_PROXY_BACKEND_API_KEY (sent to vLLM), HYBRIDPD_PROXY_METRICS_API_KEY (required on /metrics;
-    default: the client key).
+    default: the client key). A key set but empty is refused; --no-auth runs without one (logged at start).
 
     \b
     Example:
