@@ -75,9 +75,16 @@ def doctor(model: str | None, vllm_python: str | None, deployment_file: str | No
         dep = load(deployment_file)
         model = model or dep.model
         platform = platform or dep.platform
-        vllm_python = vllm_python or dep.record.get("vllm", {}).get("python")
+        recorded = dep.record.get("vllm", {}).get("python")
+        if vllm_python is None and recorded:  # a record is data: its interpreter is shown, never run unasked
+            extra.append(Check(name="deployment-python", status=INFO,
+                               detail=f"the record names {str(recorded)[:200]!r} as its vLLM python (not run)",
+                               fix="pass --vllm-python PATH to check that interpreter"))
+        procs = dep.record.get("processes")
         rec_ports = tuple(dep.side_channel_ports) + tuple(
-            int(p["port"]) for p in dep.record.get("processes", {}).values() if isinstance(p, dict) and "port" in p)
+            p["port"] for p in (procs.values() if isinstance(procs, dict) else ())
+            if isinstance(p, dict) and isinstance(p.get("port"), int) and not isinstance(p.get("port"), bool)
+            and 0 < p["port"] < 65536)
         sup = dep.record.get("supervisor_pid")
         if dep.state in ("running", "starting") and dep.supervisor_alive():
             extra.append(Check(name="deployment", status=INFO,

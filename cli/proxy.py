@@ -13,6 +13,8 @@ import click
 from hybridpd.errors import HybridPDError, UsageError
 from hybridpd.launch.proxy.config import EVENT_LOOPS, POLICIES, ProxyConfig, ProxyConfigError
 
+from ._options import FiniteFloatRange
+
 #: The environment variables the API keys come from (not argv, which other users of the host can read).
 KEY_ENV = {
     "api_key": "HYBRIDPD_PROXY_API_KEY",
@@ -21,7 +23,7 @@ KEY_ENV = {
 }
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _DEFAULTS = {f.name: f.default for f in fields(ProxyConfig) if f.default is not MISSING}
-_SECONDS = click.FloatRange(min=0, min_open=True)
+_SECONDS = FiniteFloatRange(min=0, min_open=True)
 
 # (option, ProxyConfig field, help) of the options in seconds; each default is the field's
 _TIMES = (
@@ -66,6 +68,8 @@ _OPTIONS: tuple[Callable[[Any], Any], ...] = (
            "auto: uvloop if installed (faster), else asyncio."),
     click.option("--access-log", "access_log", is_flag=True,
                  help="Log every request (logger hybridpd.launch.proxy.access)."),
+    click.option("--no-auth", "no_auth", is_flag=True,
+                 help="Run without client authentication (no HYBRIDPD_PROXY_API_KEY); logged at start."),
     click.option("--log-level", type=click.Choice(_LOG_LEVELS, case_sensitive=False), default="info",
                  show_default=True),
 )
@@ -77,9 +81,26 @@ def _options(f: Any) -> Any:
     return f
 
 
+def _keys(no_auth: bool) -> dict[str, str | None]:
+    """The keys from the environment; one set but empty or blank is a usage error (never auth silently off)."""
+    out: dict[str, str | None] = {}
+    for name, env in KEY_ENV.items():
+        value = os.environ.get(env)
+        if value is not None and not value.strip() and not (no_auth and name == "api_key"):
+            raise UsageError("is set but empty", field=env,
+                             fix=f"set a key, or unset {env}" + (" and pass --no-auth (serve: --proxy-arg=--no-auth)"
+                                                                 if name == "api_key" else ""))
+        out[name] = value if value and value.strip() else None
+    if no_auth:
+        if out["api_key"] is not None:
+            raise UsageError("--no-auth conflicts with a client key", field=KEY_ENV["api_key"],
+                             fix=f"unset {KEY_ENV['api_key']} or drop --no-auth")
+    return out
+
+
 @click.command()
 @_options
-def proxy(log_level: str, **config: Any) -> None:
+def proxy(log_level: str, no_auth: bool, **config: Any) -> None:
     """Run the P/D routing proxy in the foreground (what `serve` launches).
 
     Clients talk OpenAI (/v1/completions, /v1/chat/completions) to it; it runs the prefill on a P server and
@@ -87,7 +108,7 @@ def proxy(log_level: str, **config: Any) -> None:
 
     API keys come from the environment, not argv: HYBRIDPD_PROXY_API_KEY (required from clients),
     HYBRIDPD_PROXY_BACKEND_API_KEY (sent to vLLM), HYBRIDPD_PROXY_METRICS_API_KEY (required on /metrics;
-    default: the client key).
+    default: the client key). A key set but empty is refused; --no-auth runs without one (logged at start).
 
     \b
     Example:
@@ -96,12 +117,18 @@ def proxy(log_level: str, **config: Any) -> None:
     from hybridpd.launch.proxy.server import run_proxy
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keys = _keys(no_auth)
     try:
-        cfg = ProxyConfig(**config, **{name: os.environ.get(env) or None for name, env in KEY_ENV.items()})
+        cfg = ProxyConfig(**config, api_key=keys["api_key"], backend_api_key=keys["backend_api_key"],
+                          metrics_api_key=keys["metrics_api_key"])
     except ProxyConfigError as e:  # name the flag (or variable) the user set, not the config field
         flags = {p.name: p.opts[0] for p in proxy.params}
         where = flags.get(e.field or "") or KEY_ENV.get(e.field or "") or e.field
         raise UsageError(e.message, field=where, fix=e.fix) from None
+    if cfg.api_key is None:
+        logging.getLogger("hybridpd.launch.proxy").warning(
+            "authentication is off: clients need no key (%s)",
+            "--no-auth" if no_auth else f"{KEY_ENV['api_key']} is not set")
     try:
         run_proxy(cfg)
     except OSError as exc:  # typically: address already in use

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from ._options import BoundedInt, ModelArg, engine_options, settings_from
+from ._options import BoundedInt, FiniteFloatRange, ModelArg, engine_options, settings_from
 from ._output import Report, Table, Verdict, emit_json, emit_report, hint, output_options, resolve_format
 
 if TYPE_CHECKING:
     from hybridpd.launch.commands import LaunchOptions, LaunchPlan
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
@@ -21,8 +25,24 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
         if "=" not in v:
             raise click.BadParameter(f"{v!r}: use KEY=VALUE")
         k, _, val = v.partition("=")
+        if not _ENV_NAME.fullmatch(k):
+            raise click.BadParameter(f"{k[:40]!r} is not an environment variable name: use letters, digits and _, "
+                                     "not starting with a digit (e.g. VLLM_LOGGING_LEVEL=DEBUG)")
         out.append((k, val))
     return tuple(out)
+
+
+def _command(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A command line given as one string (split like the shell would): it must split, into something."""
+    if value is None:
+        return None
+    try:
+        parts = shlex.split(value)
+    except ValueError as e:  # "No closing quotation", "No escaped character"
+        raise click.BadParameter(f"cannot split {value[:60]!r}: {e} (quote it as in sh, e.g. 'python vllm_cli.py')") from None
+    if not parts:
+        raise click.BadParameter("is empty: give a command, e.g. 'python vllm_cli.py', or leave the option out")
+    return value
 
 
 @click.command(context_settings={"ignore_unknown_options": False})
@@ -54,9 +74,9 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
 @click.option("--decode-arg", "decode_args", multiple=True, help="Extra vllm serve argument for D only.")
 @click.option("--vllm-python", type=click.Path(dir_okay=False), default=None,
               help="Python of the venv with vLLM (default: this one). Its distribution picks the entry point.")
-@click.option("--vllm-command", default=None,
+@click.option("--vllm-command", default=None, callback=_command,
               help="Command used like `vllm` (CMD serve MODEL ...), e.g. 'python vllm_cli.py'.")
-@click.option("--proxy-command", default=None, help="Proxy command (default: python -m hybridpd_cli proxy).")
+@click.option("--proxy-command", default=None, callback=_command, help="Proxy command (default: python -m hybridpd_cli proxy).")
 @click.option("--router", type=click.Choice(["hybridpd", "vllm-router"]), default="hybridpd", show_default=True,
               help="What routes between P and D: hybridpd's proxy, or vllm-router (pip install vllm-router) with "
                    "the same P and D URLs.")
@@ -88,39 +108,39 @@ def _env_pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...
 @click.option("--epp-image", default=None, help="llm-d endpoint picker image (default: pinned release).")
 @click.option("--gateway", default="inference-gateway", show_default=True,
               help="Gateway the llm-d/lws HTTPRoute attaches to (--emit k8s).")
-@click.option("--grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
+@click.option("--grace", type=FiniteFloatRange(min=0), default=30.0, show_default=True,
               help="Stop budget: the proxy drains in-flight requests for GRACE-10 s (then ends them with an "
                    "error event), then D, then P stop; a stage still running after GRACE s is SIGKILLed.")
-@click.option("--health-timeout", type=click.FloatRange(min=1), default=900.0, show_default=True,
+@click.option("--health-timeout", type=FiniteFloatRange(min=1), default=900.0, show_default=True,
               help="Seconds to wait for /health.")
 @click.option("--restart", "restart", type=click.Choice(["no", "on-failure"]), default="no", show_default=True,
               help="on-failure: restart a process that exits or stops answering /health (backoff, limit); "
                    "no: stop everything (fail fast).")
 @click.option("--restart-limit", type=click.IntRange(0, 1000), default=5, show_default=True,
               help="Restarts per process; the count resets after 10 min of health.")
-@click.option("--restart-backoff", type=click.FloatRange(0, 3600), default=2.0, show_default=True,
+@click.option("--restart-backoff", type=FiniteFloatRange(0, 3600), default=2.0, show_default=True,
               help="Seconds before the first restart; doubled each time, at most 60 s.")
-@click.option("--liveness-timeout", type=click.FloatRange(1, 86400), default=30.0, show_default=True,
+@click.option("--liveness-timeout", type=FiniteFloatRange(1, 86400), default=30.0, show_default=True,
               help="A healthy process that does not answer /health for this long is treated as dead (hung).")
-@click.option("--health-interval", type=click.FloatRange(0.1, 3600), default=5.0, show_default=True,
+@click.option("--health-interval", type=FiniteFloatRange(0.1, 3600), default=5.0, show_default=True,
               help="Seconds between /health probes once healthy.")
 @click.option("--deployment-file", default=None,
               help="Where to record what was launched (JSON, for verify/doctor --deployment). "
                    "Default: $XDG_STATE_HOME/hybridpd/deployment-ROLE-PROXYPORT.json.")
-@click.option("--prefill-timeout", type=click.FloatRange(0.1, 86400), default=None,
+@click.option("--prefill-timeout", type=FiniteFloatRange(0.1, 86400), default=None,
               help="Proxy: whole prefill leg, then 504 (proxy default 180 s).")
-@click.option("--decode-first-byte-timeout", type=click.FloatRange(0.1, 86400), default=None,
+@click.option("--decode-first-byte-timeout", type=FiniteFloatRange(0.1, 86400), default=None,
               help="Proxy: streams, until D's first byte (proxy default 180 s).")
-@click.option("--decode-idle-timeout", type=click.FloatRange(0.1, 86400), default=None,
+@click.option("--decode-idle-timeout", type=FiniteFloatRange(0.1, 86400), default=None,
               help="Proxy: streams, longest gap between chunks (proxy default 120 s).")
-@click.option("--decode-timeout", type=click.FloatRange(0.1, 86400), default=None,
+@click.option("--decode-timeout", type=FiniteFloatRange(0.1, 86400), default=None,
               help="Proxy: whole decode leg (proxy default 1800 s).")
 @click.option("--proxy-arg", "proxy_args", multiple=True,
               help="Extra argument for the hybridpd proxy (hybridpd proxy --help), repeatable.")
 @click.option("--nixl-progress-delay-us", type=click.IntRange(0, 1_000_000), default=None,
               help="Poll timeout of NIXL's progress thread in P and D (NIXL's Python wrapper sets 0: one idle core "
                    "spins per agent). Default: 1000 on cpu, 0 on cuda; 0 = leave NIXL alone.")
-@click.option("--kv-lease", type=click.FloatRange(1, 86400), default=None,
+@click.option("--kv-lease", type=FiniteFloatRange(1, 86400), default=None,
               help="kv_lease_duration (s) in kv_connector_extra_config: how long P keeps KV blocks for D "
                    "(vLLM default 30 s).")
 @engine_options
@@ -176,6 +196,10 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
         if not (as_json and kw["check"]):  # --check --json already printed the plan inside its JSON
             _dry_run(lp, as_json, fmt)
         return
+    if kw["role"] in ("proxy", "all") and kw["router"] == "hybridpd" and not kw["proxy_command"]:
+        from .proxy import _keys  # the proxy inherits the environment: refuse a blank key before anything starts
+
+        _keys("--no-auth" in kw["proxy_args"])
     from hybridpd.launch.deployment import default_path
 
     from ._output import HealthProgressDisplay

@@ -7,7 +7,17 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ._options import MAX_BYTES, MAX_TOKENS, MAX_TP, BoundedInt, ModelArg, engine_options, settings_from, target_from
+from ._options import (
+    MAX_BYTES,
+    MAX_TOKENS,
+    MAX_TP,
+    BoundedInt,
+    FiniteFloatRange,
+    ModelArg,
+    engine_options,
+    settings_from,
+    target_from,
+)
 from ._output import Report, Table, emit_json, emit_report, hint, output_options, resolve_format
 
 if TYPE_CHECKING:
@@ -43,7 +53,7 @@ if TYPE_CHECKING:
 @click.option("--served-model-name", default=None, help="Live mode: model name in requests (default: MODEL).")
 @click.option("--prompt-tokens", is_flag=True, help="Live mode: send token-id prompts so the length is exact.")
 @click.option("--passive", is_flag=True, help="Live mode: no probes; diff counters over --window seconds.")
-@click.option("--window", type=click.FloatRange(min=0.1), default=60.0, show_default=True)
+@click.option("--window", type=FiniteFloatRange(min=0.1), default=60.0, show_default=True)
 @output_options
 def verify(model: str | None, deployment_file: str | None, rehearse: bool, isl: int | None, seed: int,
            inject: str | None, inject_rank: int,

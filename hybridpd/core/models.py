@@ -142,6 +142,14 @@ def load_hf(repo_id: str, *, allow_network: bool = False) -> RawModel | None:
         import huggingface_hub as hfh
     except ImportError:  # pragma: no cover - dependency is declared
         return None
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:  # the Hub's own rule (ASCII letters, digits, - _ . ; at most 96 chars), before any cache or network use
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise ModelNotFound(f"model {repo_id[:100]!r} is not a path, not bundled, and not a valid Hugging Face id",
+                            field="MODEL", fix="a Hub id is ORG/NAME of ASCII letters, digits, '-', '_' and '.' "
+                                               "(or give a local path; `hybridpd models` lists bundled ids)") from None
     cached = hfh.try_to_load_from_cache(repo_id, "config.json")
     path: str | None = cached if isinstance(cached, str) else None
     source = "hf-cache"

@@ -84,6 +84,10 @@ class LaunchOptions:
                 raise UsageError(f"port {port} out of range", field=name)
 
 
+#: Device ids (GPUs, or CPU cores for --cpus) are 0..MAX_DEVICES-1, at most MAX_DEVICES of them.
+MAX_DEVICES = 4096
+
+
 def parse_devices(text: str | None, *, field_name: str = "--gpus") -> tuple[int, ...] | None:
     """'0-3' / '0,1,4-5' -> (0, 1, 2, 3) / (0, 1, 4, 5)."""
     if text is None or not str(text).strip():
@@ -96,11 +100,15 @@ def parse_devices(text: str | None, *, field_name: str = "--gpus") -> tuple[int,
                 a, b = (int(x) for x in part.split("-", 1))
                 if b < a:
                     raise ValueError
-                out.extend(range(a, b + 1))
             else:
-                out.append(int(part))
+                a = b = int(part)
+            if not 0 <= a <= b < MAX_DEVICES or len(out) + b - a + 1 > MAX_DEVICES:  # bounded before expanding
+                raise UsageError(f"{str(text)[:40]!r} names ids outside 0..{MAX_DEVICES - 1} or more than "
+                                 f"{MAX_DEVICES} devices", field=field_name, fix="list this host's ids, e.g. 0-3")
+            out.extend(range(a, b + 1))
     except ValueError:
-        raise UsageError(f"cannot parse {text!r}", field=field_name, fix="write e.g. 0-3 or 0,1,4-5") from None
+        raise UsageError(f"cannot parse {str(text)[:40]!r}", field=field_name,
+                         fix="write e.g. 0-3 or 0,1,4-5") from None
     if len(set(out)) != len(out) or any(v < 0 for v in out):
         raise UsageError(f"{text!r} lists a device twice or a negative id", field=field_name)
     return tuple(out)
@@ -132,7 +140,7 @@ class ProcessSpec:
         return dict(self.env)
 
     def shell(self) -> str:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env)
+        env = " ".join(f"{shlex.quote(k)}={shlex.quote(v)}" for k, v in self.env)
         cmd = " ".join(shlex.quote(a) for a in self.argv)
         return f"{env} {cmd}".strip()
 
@@ -177,13 +185,14 @@ class LaunchPlan:
         return out
 
     def shell_lines(self) -> list[str]:
-        lines = ["#!/bin/sh", f"# hybridpd serve {self.model} --role {self.role}: {len(self.processes)} process(es);"
+        model = " ".join(str(self.model).splitlines())  # a newline would end the comment: the rest would run
+        lines = ["#!/bin/sh", f"# hybridpd serve {model} --role {self.role}: {len(self.processes)} process(es);"
                  f" vLLM profile {self.vllm_profile}, platform {self.platform}"]
-        lines += [f"# note: {n}" for n in self.notes]
+        lines += [f"# note: {' '.join(str(n).splitlines())}" for n in self.notes]
         for p in self.processes:
             lines.append(f"# {p.name}: {p.url}  health {p.health_url}"
                          + (f"  side channel {p.side_channel_port}" if p.side_channel_port else ""))
-            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in p.env)
+            env = " ".join(f"{shlex.quote(k)}={shlex.quote(v)}" for k, v in p.env)
             cmd = " ".join(shlex.quote(a) for a in p.argv)
             lines.append(f"{env} setsid {cmd} &".lstrip())
         return lines

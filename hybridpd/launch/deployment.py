@@ -136,6 +136,9 @@ def _settings(d: Any, side: str, path: str) -> EngineSettings:
     if unknown:
         raise UsageError(f"{path}: settings.{side} has unknown key(s) {', '.join(unknown)}", field=FIELD,
                          fix="upgrade hybridpd to the version that wrote the file")
+    from hybridpd.core.validate import check_engine_settings
+
+    check_engine_settings(d, where=f"{path}: settings.{side}.", field=FIELD)
     try:
         return EngineSettings(**d)
     except TypeError as e:
@@ -168,6 +171,12 @@ def load(path: str) -> Deployment:
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise UsageError(f"{path}: incomplete deployment record ({e})", field=FIELD,
                          fix="pass the file `hybridpd serve` wrote") from None
+    for name, val in (("model", data.get("model")), ("vllm.version", vllm.get("version"))):
+        if not isinstance(val, str) or not val or len(val) > 4096:
+            raise UsageError(f"{path}: {name} must be a non-empty string", field=FIELD,
+                             fix="pass the file `hybridpd serve` wrote")
+    if any(not 0 < p < 65536 for p in dep.side_channel_ports):
+        raise UsageError(f"{path}: side_channel.ports must be in 1..65535", field=FIELD)
     if dep.platform not in ("cuda", "cpu"):
         raise UsageError(f"{path}: unknown platform {dep.platform!r}", field=FIELD)
     return dep
