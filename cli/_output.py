@@ -281,15 +281,28 @@ def _rich_report(console: Any, report: Report) -> None:
 _GLUE = re.compile(r"\bHTTP \d{3}\b|\b\d[\d,.]* (?:B|KiB|MiB|GiB|TiB|µs|ms|s|tokens)\b")
 
 
+def stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        return False
+
+
 def stderr_width() -> int | None:
     """The width to wrap stderr messages to: the terminal's (``COLUMNS`` first, as shutil reads it) when stderr
-    is a terminal or ``COLUMNS`` is set; None otherwise (piped to a log: one line per message, for grep)."""
+    is a terminal; None otherwise (piped to a log: one line per message, for grep)."""
     import os
     import shutil
 
-    if not (os.environ.get("COLUMNS") or sys.stderr.isatty()):
+    if not stderr_is_terminal():
         return None
-    return shutil.get_terminal_size(fallback=(80, 24)).columns
+    env = os.environ.get("COLUMNS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:  # stderr's own terminal (stdout may be piped: `hybridpd plan ... | less`)
+        return os.get_terminal_size(sys.stderr.fileno()).columns or 80
+    except (OSError, ValueError, AttributeError):
+        return shutil.get_terminal_size(fallback=(80, 24)).columns
 
 
 def wrap_message(text: str, width: int | None = None, indent: str = "  ") -> str:

@@ -128,10 +128,20 @@ def verify(model: str | None, deployment_file: str | None, rehearse: bool, isl: 
             data = live.run_probes(decode_url, plan, served_model_name or model, isls=[isl] if isl else None,
                                    prefill_url=prefill_url, proxy_url=proxy_url, token_ids=prompt_tokens)
             render = render_probes
+    assumed: dict[str, Any] | None = None
+    if decode_url and not rehearse:
+        from hybridpd.verify import live
+
+        assumed = live.read_assumptions(decode_url, plan, from_record=bool(deployment_file))
     if out == "json":
-        emit_json(data.as_dict())
+        emit_json({**data.as_dict(), **({"assumptions": assumed} if assumed is not None else {})})
     else:
-        emit_report(render(data), out)
+        rep = render(data)
+        if assumed is not None:
+            from hybridpd.verify import live
+
+            rep.notes[:0] = live.assumption_lines(assumed)
+        emit_report(rep, out)
     if not data.ok:
         raise SystemExit(1)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -76,23 +77,56 @@ def _raise(msg: str) -> click.Command:
 ])
 def test_errors_wrap_at_80_columns_without_splitting_numbers_or_ids(
         msg: str, pieces: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridpd_cli import _output
+
     monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setattr(_output, "stderr_is_terminal", lambda: True)  # capsys's stderr is no terminal
     with pytest.raises(SystemExit) as ex:
         run_with_errors(_raise(msg), [])
     assert ex.value.code == 1
     lines = capsys.readouterr().err.rstrip("\n").splitlines()
     assert len(lines) > 1 and lines[0].startswith("Error: ")
-    assert all(len(ln) <= 80 for ln in lines if ln.strip() != _LONG_ID and _LONG_ID not in ln), lines
+    assert all(len(ln) <= 80 or ln.split() == [_LONG_ID] for ln in lines), lines  # an id wider than 80: alone
     for piece in pieces:
         assert any(piece in ln for ln in lines), (piece, lines)
-    assert " ".join(" ".join(lines).split()) == " ".join(f"Error: {msg} (fix: check the deployment)".split()) \
-        or " ".join(lines).split()[:3] == ["Error:", *msg.split()[:2]]
+    assert " ".join(lines).split() == f"Error: {msg} (fix: check the deployment)".split()  # nothing lost
 
 
 def test_errors_stay_one_line_when_piped(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """No terminal and no COLUMNS (a log, a pipe): one line, as before, so grep finds the whole message."""
-    monkeypatch.delenv("COLUMNS", raising=False)
+    """stderr no terminal (a log, a pipe), even with COLUMNS set: one line, as before, so grep finds it whole."""
+    monkeypatch.setenv("COLUMNS", "80")
     msg = "prefill and decode disagree on the attention block size: P reports 4176, D reports 2096 tokens per block"
     with pytest.raises(SystemExit):
         run_with_errors(_raise(msg), [])
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("cols", [60, 100])
+def test_error_on_a_terminal_wraps_to_its_width(cols: int) -> None:
+    """End to end on a pty of ``cols`` columns (no COLUMNS): the width is the terminal's, the URL stays whole."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    url = f"http://127.0.0.1:{_closed_port()}"
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, cols, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    p = subprocess.Popen([sys.executable, "-m", "hybridpd_cli.main", "verify", "nano", "--decode", url, "--prefill",
+                          url], stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert p.wait(timeout=60) == 1
+    lines = b"".join(chunks).decode().replace("\r", "").strip().splitlines()
+    assert len(lines) > 1 and all(len(ln) <= cols for ln in lines), lines
+    assert any(f"{url}/metrics:" in ln for ln in lines) and "Traceback" not in "".join(lines)

@@ -288,3 +288,41 @@ def test_verify_three_times_still_fails_for_a_wrong_block_size(serve: Any, tiny_
     runs = _three_runs(serve, FakePD(plan, prefix_cache=True, actual=wrong), plan, False)
     for r in runs:
         assert not r.ok and any("bytes" in m for pr in r.probes for m in pr.mismatches)
+
+
+def test_cli_live_prints_its_assumptions(serve: Any, tiny_models: dict[str, Path]) -> None:
+    """Issue #27: verify says what it assumed and where each came from, and what D itself reports (/version,
+    /metrics vllm:cache_config_info), in --json (`assumptions`) and in the human output."""
+    import json
+
+    from click.testing import CliRunner
+    from hybridpd_cli.main import cli
+
+    plan = _plan(tiny_models, "llama")
+    fake = FakePD(plan)
+
+    async def version(_: web.Request) -> web.Response:
+        return web.json_response({"version": "0.32.0"})
+
+    async def mets(req: web.Request) -> web.Response:
+        r = await fake.metrics(req)
+        info = f'vllm:cache_config_info{{block_size="{plan.prefill.block_size}",enable_prefix_caching="True"}} 1.0\n'
+        return web.Response(text=str(r.text) + info)
+
+    d = serve([("GET", "/metrics", mets), ("GET", "/version", version), ("POST", "/v1/completions", fake.decode)])
+    p = serve([("POST", "/v1/completions", fake.prefill)])
+    args = ["verify", str(tiny_models["llama"]), "--platform", "cpu", "--decode", d, "--prefill", p,
+            "--prompt-tokens"]
+    r = CliRunner().invoke(cli, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    a = json.loads(r.stdout)["assumptions"]
+    assert a["vllm_version"]["deployment_reports"] == "0.32.0" and a["vllm_version"]["read_from"] == "/version"
+    assert a["vllm_version"]["source"].startswith("assumed")  # no --vllm-version given
+    assert a["block_size"] == {"value": plan.prefill.block_size, "source": a["block_size"]["source"],
+                               "deployment_reports": plan.prefill.block_size,
+                               "read_from": "/metrics vllm:cache_config_info"}
+    assert a["platform"] == {"value": "cpu", "source": "--platform", "deployment_reports": None, "read_from": None}
+    h = CliRunner().invoke(cli, [*args, "--fmt", "plain"])
+    assert h.exit_code == 0, h.output
+    assert "assumed vllm version" in h.stdout and "D reports 0.32.0 (/version)" in h.stdout
+    assert f"D reports {plan.prefill.block_size} (/metrics vllm:cache_config_info)" in h.stdout

@@ -269,3 +269,54 @@ def passive_verdict(d: dict[str, float], plan: Any, window: float) -> PassiveRes
         mism.append("the plan has error findings: not healthy even if the counters match")
     return PassiveResult(window_s=window, requests=n, expected_bytes_min=lo, expected_bytes_max=hi, moved_bytes=moved,
                          failures=fails, note=metrics.POOLING_NOTE, plan_errors=tuple(errs), mismatches=tuple(mism))
+
+
+def _get(url: str, timeout: float = 5.0) -> str | None:
+    from hybridpd.errors import ExternalToolError
+
+    try:
+        return metrics.fetch(url, timeout).decode(errors="replace")
+    except ExternalToolError:  # no such endpoint: nothing read, the plan's value stays assumed
+        return None
+
+
+def read_assumptions(decode_url: str, plan: Any, *, from_record: bool = False) -> dict[str, dict[str, Any]]:
+    """What the plan assumed (vLLM version, platform, block size), where each came from, and what D itself
+    reports: ``GET /version`` and the ``vllm:cache_config_info`` labels of ``/metrics`` (None where D says
+    nothing). ``source`` is "record" (--deployment), the flag, or "assumed (default)"."""
+    import re
+
+    ver = _get(decode_url.rstrip("/") + "/version")
+    reported_version = None
+    if ver:
+        try:
+            reported_version = str(json.loads(ver).get("version")) or None
+        except (ValueError, AttributeError):
+            reported_version = None
+    text = _get(decode_url.rstrip("/") + "/metrics") or ""
+    m = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.M)
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))) if m else {}
+    reported_block = labels.get("block_size")
+    src_v = "record" if from_record else ("--vllm-version" if plan.target.source == "--vllm-version"
+                                          else f"assumed ({plan.target.source})")
+    src_p = "record" if from_record else "--platform"
+    src_b = "record" if from_record else ("--block-size" if plan.prefill.settings.block_size else
+                                          "assumed (the planner's default for this model and release)")
+    return {
+        "vllm_version": {"value": str(plan.target.version), "source": src_v, "deployment_reports": reported_version,
+                         "read_from": "/version" if reported_version else None},
+        "platform": {"value": plan.platform.name, "source": src_p, "deployment_reports": None, "read_from": None},
+        "block_size": {"value": plan.prefill.block_size, "source": src_b,
+                       "deployment_reports": int(reported_block) if reported_block and reported_block.isdigit()
+                       else None,
+                       "read_from": "/metrics vllm:cache_config_info" if reported_block else None},
+    }
+
+
+def assumption_lines(a: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    out = []
+    for k, v in a.items():
+        said = (f"; D reports {v['deployment_reports']} ({v['read_from']})" if v["deployment_reports"] is not None
+                else "; D does not report it")
+        out.append(f"assumed {k.replace('_', ' ')} {v['value']} (from {v['source']}){said}")
+    return out
