@@ -1,0 +1,1 @@
+python3 -m vllm.entrypoints.openai.api_server --model RUN/model --served-model-name tiny --host 127.0.0.1 --seed 0 --gpu-memory-utilization 0.05 --kv-cache-memory-bytes 1073741824 --max-model-len 2048 --enforce-eager --max-num-seqs 16 --kv-transfer-config \{\"kv_connector\":\"NixlConnector\"\,\"kv_role\":\"kv_both\"\} --enable-prefix-caching 
