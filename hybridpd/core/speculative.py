@@ -36,8 +36,7 @@ from typing import TYPE_CHECKING, Any
 from hybridpd.core.families.spec import ATTENTION, CacheLayer, ModelSpec
 from hybridpd.errors import UsageError
 
-if TYPE_CHECKING:  # layout imports this module
-    from hybridpd.core.layout import SideLayout
+if TYPE_CHECKING:
     from hybridpd.core.settings import EngineSettings
 
 # methods whose drafter reads the target's hidden states (SpeculativeConfig.use_eagle()); the hash factor and the
@@ -166,9 +165,9 @@ def _describe(s: EngineSettings) -> str:
     return f"{s.speculative_method or 'unknown method'} x {s.num_speculative_tokens}"
 
 
-def spec_checks(p: SideLayout, d: SideLayout) -> list[tuple[str, str, str, str]]:
-    """(severity, code, message, fix) for the speculative config of a P/D pair; findings.py turns them into
-    Findings."""
+def spec_checks(p: Any, d: Any) -> list[tuple[str, str, str, str]]:
+    """(severity, code, message, fix) for the speculative config of a P/D pair (two core.layout.SideLayout: not
+    imported here, since layout imports this module); findings.py turns them into Findings."""
     out: list[tuple[str, str, str, str]] = []
     prof = p.profile
     for side in (p, d):
