@@ -10,6 +10,7 @@ import sys
 import click
 import pytest
 from hybridpd_cli._errors import run_with_errors
+from pty_support import read_pty
 
 
 def _closed_port() -> int:
@@ -116,17 +117,8 @@ def test_error_on_a_terminal_wraps_to_its_width(cols: int) -> None:
     p = subprocess.Popen([sys.executable, "-m", "hybridpd_cli.main", "verify", "nano", "--decode", url, "--prefill",
                           url], stdout=slave, stderr=slave, env=env)
     os.close(slave)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(master)
+    out = read_pty(master)
     assert p.wait(timeout=60) == 1
-    lines = b"".join(chunks).decode().replace("\r", "").strip().splitlines()
+    lines = out.decode().replace("\r", "").strip().splitlines()
     assert len(lines) > 1 and all(len(ln) <= cols for ln in lines), lines
     assert any(f"{url}/metrics:" in ln for ln in lines) and "Traceback" not in "".join(lines)

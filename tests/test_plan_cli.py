@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from golden_files import check_golden, text_lines
+from pty_support import read_pty
 
 REQUIRED_SIDE_KEYS = {"tp", "attention_block_size", "kernel_block_size", "physical_per_logical", "page_size_bytes",
                       "mamba_page_bytes", "padding_bytes", "conv_state_shape", "ssm_state_shape", "conv_state_bytes",
@@ -265,17 +266,8 @@ def _pty_run(*args: str, cols: int = 80) -> tuple[int, str]:
     p = subprocess.Popen([sys.executable, "-m", "hybridpd_cli.main", *args], stdout=slave, stderr=subprocess.PIPE,
                          env=env)
     os.close(slave)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(master)
-    return p.wait(timeout=60), b"".join(chunks).decode()
+    out = read_pty(master)
+    return p.wait(timeout=60), out.decode()
 
 
 def test_terminal_gets_boxes_and_colour_pipe_gets_plain_text() -> None:
