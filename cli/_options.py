@@ -11,19 +11,14 @@ import click
 
 from hybridpd.core.profiles import versions_help
 from hybridpd.core.settings import ATTENTION_BACKENDS, KV_DTYPES, MAMBA_DTYPES, MODEL_DTYPES, EngineSettings
+from hybridpd.core.validate import MAX_BLOCK_SIZE, MAX_BYTES, MAX_NUM_BLOCKS, MAX_SPEC_TOKENS, MAX_TOKENS, MAX_TP
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-# Upper bounds on flags: far above any real deployment, low enough that nothing runs for ever or eats memory
-# (plan's work grows with TP x layers; ISLs and block counts are plain integers but stay printable).
-MAX_TP = 1024
-MAX_BYTES = 1 << 50  # 1 PiB
-MAX_TOKENS = 1 << 24  # ISL, --max-model-len: 16,777,216 tokens
+# Upper bounds on flags are the ones deployment records are checked against (hybridpd.core.validate): far above
+# any real deployment, low enough that nothing runs for ever or eats memory.
 MAX_ISLS = 64
-MAX_BLOCK_SIZE = 1 << 20
-MAX_NUM_BLOCKS = 1 << 22
-MAX_SPEC_TOKENS = 256
 
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d{1,3}))?\s*([kKmMgGtTpP]?)(i?)([bB]?)\s*")
 _UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}

@@ -11,9 +11,10 @@ from typing import Any
 
 from hybridpd.errors import UsageError
 
+# plan's work grows with TP x layers; ISLs and block counts are plain integers but stay printable
 MAX_TP = 1024
-MAX_BYTES = 1 << 50
-MAX_TOKENS = 1 << 24
+MAX_BYTES = 1 << 50  # 1 PiB
+MAX_TOKENS = 1 << 24  # ISL, --max-model-len: 16,777,216 tokens
 MAX_BLOCK_SIZE = 1 << 20
 MAX_NUM_BLOCKS = 1 << 22
 MAX_SPEC_TOKENS = 256
