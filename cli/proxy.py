@@ -81,7 +81,7 @@ def _options(f: Any) -> Any:
     return f
 
 
-def _keys(no_auth: bool) -> dict[str, str | None]:
+def api_keys_from_env(no_auth: bool) -> dict[str, str | None]:
     """The keys from the environment; one set but empty or blank is a usage error (never auth silently off)."""
     out: dict[str, str | None] = {}
     for name, env in KEY_ENV.items():
@@ -117,7 +117,7 @@ def proxy(log_level: str, no_auth: bool, **config: Any) -> None:
     from hybridpd.launch.proxy.server import run_proxy
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    keys = _keys(no_auth)
+    keys = api_keys_from_env(no_auth)
     try:
         cfg = ProxyConfig(**config, api_key=keys["api_key"], backend_api_key=keys["backend_api_key"],
                           metrics_api_key=keys["metrics_api_key"])

@@ -197,9 +197,9 @@ def serve(model: str, vllm_args: tuple[str, ...], as_json: bool, fmt: str | None
             _dry_run(lp, as_json, fmt)
         return
     if kw["role"] in ("proxy", "all") and kw["router"] == "hybridpd" and not kw["proxy_command"]:
-        from .proxy import _keys  # the proxy inherits the environment: refuse a blank key before anything starts
+        from .proxy import api_keys_from_env  # the proxy inherits the environment: refuse a blank key before anything starts
 
-        _keys("--no-auth" in kw["proxy_args"])
+        api_keys_from_env("--no-auth" in kw["proxy_args"])
     from hybridpd.launch.deployment import default_path
 
     from ._output import HealthProgressDisplay
