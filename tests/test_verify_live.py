@@ -320,9 +320,14 @@ def test_cli_live_prints_its_assumptions(serve: Any, tiny_models: dict[str, Path
     assert a["vllm_version"]["source"].startswith("assumed")  # no --vllm-version given
     assert a["block_size"] == {"value": plan.prefill.block_size, "source": a["block_size"]["source"],
                                "deployment_reports": plan.prefill.block_size,
-                               "read_from": "/metrics vllm:cache_config_info"}
-    assert a["platform"] == {"value": "cpu", "source": "--platform", "deployment_reports": None, "read_from": None}
+                               "read_from": "/metrics vllm:cache_config_info", "differs": False}
+    assert a["platform"] == {"value": "cpu", "source": "--platform", "deployment_reports": None, "read_from": None,
+                             "differs": False}
+    assert a["vllm_version"]["differs"] is (a["vllm_version"]["value"].split(".")[:2] != ["0", "32"])
     h = CliRunner().invoke(cli, [*args, "--fmt", "plain"])
     assert h.exit_code == 0, h.output
     assert "assumed vllm version" in h.stdout and "D reports 0.32.0 (/version)" in h.stdout
     assert f"D reports {plan.prefill.block_size} (/metrics vllm:cache_config_info)" in h.stdout
+    r = CliRunner().invoke(cli, [*args, "--vllm-version", "0.26", "--json"])
+    a = json.loads(r.stdout)["assumptions"]["vllm_version"]
+    assert a["source"] == "--vllm-version" and a["value"].startswith("0.26") and a["differs"] is True

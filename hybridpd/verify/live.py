@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from hybridpd.core.findings import errors
 from hybridpd.core.layout import cdiv
 from hybridpd.core.plan import max_model_len
+from hybridpd.core.profiles import format_version
 from hybridpd.kv_params import PREFILL_KV_TRANSFER_PARAMS
 from hybridpd.verify import metrics
 
@@ -302,8 +303,8 @@ def read_assumptions(decode_url: str, plan: Any, *, from_record: bool = False) -
     src_p = "record" if from_record else "--platform"
     src_b = "record" if from_record else ("--block-size" if plan.prefill.settings.block_size else
                                           "assumed (the planner's default for this model and release)")
-    return {
-        "vllm_version": {"value": str(plan.target.version), "source": src_v, "deployment_reports": reported_version,
+    out = {
+        "vllm_version": {"value": format_version(plan.target.version), "source": src_v, "deployment_reports": reported_version,
                          "read_from": "/version" if reported_version else None},
         "platform": {"value": plan.platform.name, "source": src_p, "deployment_reports": None, "read_from": None},
         "block_size": {"value": plan.prefill.block_size, "source": src_b,
@@ -311,6 +312,11 @@ def read_assumptions(decode_url: str, plan: Any, *, from_record: bool = False) -
                        else None,
                        "read_from": "/metrics vllm:cache_config_info" if reported_block else None},
     }
+    for k, v in out.items():  # versions: the release line (0.32 = D's 0.32.1 or 0.32.0+cpu), as profiles go
+        n = 2 if k == "vllm_version" else 99
+        rep, val = v["deployment_reports"], str(v["value"]).split(".")[:n]
+        v["differs"] = rep is not None and re.split(r"[.+]", str(rep))[:len(val)] != val
+    return out
 
 
 def assumption_lines(a: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -318,5 +324,6 @@ def assumption_lines(a: Mapping[str, Mapping[str, Any]]) -> list[str]:
     for k, v in a.items():
         said = (f"; D reports {v['deployment_reports']} ({v['read_from']})" if v["deployment_reports"] is not None
                 else "; D does not report it")
-        out.append(f"assumed {k.replace('_', ' ')} {v['value']} (from {v['source']}){said}")
+        out.append(f"assumed {k.replace('_', ' ')} {v['value']} (from {v['source']}){said}"
+                   + (": DIFFERS, re-run with what D reports" if v.get("differs") else ""))
     return out
